@@ -1,0 +1,31 @@
+"""kernelgen: generated, autotuned FlashAttention kernels.
+
+YAML spec -> Jinja CUDA -> NVRTC cubin -> disk cache -> launch from PyTorch. Importing the package
+does not import torch: the torch-facing names below load on first use, so `kernelgen build` and the
+compile stages work (and start fast) on machines without torch or a GPU.
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "load": "kernelgen.api",
+    "BoundKernel": "kernelgen.api",
+    "flash_attn_func": "kernelgen.ops",
+    "load_spec": "kernelgen.spec",
+    "SpecError": "kernelgen.spec",
+    "CompileError": "kernelgen.compile",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kernelgen' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
