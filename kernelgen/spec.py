@@ -1,0 +1,525 @@
+"""YAML spec -> frozen dataclasses.
+
+Everything a spec says is checked here, once, so the later stages can trust a KernelSpec. Every
+error names the file, the key path and what would have been allowed.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import re
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from kernelgen.expr import RESERVED, Expr, ExprError, parse_expr
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SPECS_DIR = REPO_ROOT / "specs"
+TEMPLATES_DIR = REPO_ROOT / "templates"
+
+
+class SpecError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ArchInfo:
+    name: str
+    number: int
+    max_smem: int  # bytes of shared memory one block may opt in to
+    max_regs_per_thread: int
+
+
+ARCHS = {
+    info.name: info
+    for info in (
+        ArchInfo("sm_80", 80, 166912, 255),
+        ArchInfo("sm_86", 86, 101376, 255),
+        ArchInfo("sm_89", 89, 101376, 255),
+        ArchInfo("sm_90", 90, 232448, 255),
+        ArchInfo("sm_90a", 90, 232448, 255),
+    )
+}
+ARG_CTYPES = {"ptr": "void*", "i32": "int", "i64": "long long", "f32": "float"}
+# Names the environment and the template context define themselves (see render.py).
+CONTEXT_NAMES = frozenset({"max_smem", "arch_number", "arch", "entry", "args", "signature"})
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_SLUG_TEXT = re.compile(r"[A-Za-z0-9_]+\Z")  # string param values end up in file names
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    values: tuple
+    default: object
+
+
+@dataclass(frozen=True)
+class Arg:
+    name: str
+    type: str
+    ctype: str
+
+
+class _Pairs:
+    """Lookup, dict view and file-name slug over a tuple of (name, value) pairs."""
+
+    def _pairs(self) -> tuple[tuple[str, object], ...]:
+        raise NotImplementedError
+
+    def __getitem__(self, name: str):
+        for key, value in self._pairs():
+            if key == name:
+                return value
+        raise KeyError(name)
+
+    def as_dict(self) -> dict:
+        return dict(self._pairs())
+
+    @property
+    def slug(self) -> str:
+        parts = [f"{key}{int(value) if isinstance(value, bool) else value}"
+                 for key, value in self._pairs()]
+        return "_".join(parts) or "default"
+
+
+@dataclass(frozen=True)
+class Variant(_Pairs):
+    spec: str
+    arch: str
+    params: tuple[tuple[str, object], ...]
+
+    def _pairs(self):
+        return self.params
+
+
+@dataclass(frozen=True)
+class Config(_Pairs):
+    values: tuple[tuple[str, int], ...]
+
+    def _pairs(self):
+        return self.values
+
+
+@dataclass(frozen=True)
+class _At:
+    """Where in which file a value sits, for error messages: `specs/x.yaml: tune.space.block_m[1]`."""
+
+    file: str
+    key: str = ""
+
+    def __getitem__(self, key: str | int) -> _At:
+        if isinstance(key, int):
+            return _At(self.file, f"{self.key}[{key}]")
+        return _At(self.file, f"{self.key}.{key}" if self.key else key)
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.key or '<top level>'}"
+
+    def error(self, what: str, allowed: Iterable | str | None = None) -> SpecError:
+        if allowed is not None and not isinstance(allowed, str):
+            allowed = ", ".join(_show(a) for a in allowed) or "(none)"
+        return SpecError(f"{self}: {what}" + ("" if allowed is None else f"; allowed: {allowed}"))
+
+
+def _show(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _same(a, b) -> bool:
+    # YAML and Python both treat True == 1; a spec value never does.
+    return type(a) is type(b) and a == b
+
+
+def _member(value, values) -> bool:
+    return any(_same(value, v) for v in values)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    name: str
+    description: str
+    entry: str
+    path: Path
+    template: Path
+    archs: tuple[str, ...]
+    params: tuple[Param, ...]
+    args: tuple[Arg, ...]
+    derived: tuple[tuple[str, Expr], ...]
+    space: tuple[tuple[str, tuple[int, ...]], ...]
+    constraints: tuple[Expr, ...]
+    defaults: tuple[tuple[Expr, Config], ...]
+    grid: tuple[Expr, Expr, Expr]
+    block: tuple[Expr, Expr, Expr]
+    smem: Expr
+    content_hash: str
+
+    def _at(self, key: str = "") -> _At:
+        return _At(_display(self.path), key)
+
+    def variant(self, arch: str | None = None, **params) -> Variant:
+        arch = self.archs[0] if arch is None else arch
+        if arch not in self.archs:
+            raise self._at("archs").error(f"arch {arch!r} is not one of this spec's archs", self.archs)
+        known = [p.name for p in self.params]
+        for name in params:
+            if name not in known:
+                raise self._at("params").error(f"unknown param {name!r}", known)
+        chosen = []
+        for param in self.params:
+            value = params.get(param.name, param.default)
+            if not _member(value, param.values):
+                raise self._at(f"params.{param.name}").error(
+                    f"value {value!r} is not allowed", param.values)
+            chosen.append((param.name, value))
+        return Variant(self.name, arch, tuple(chosen))
+
+    def variants(self, archs: Iterable[str] | None = None) -> list[Variant]:
+        names = [p.name for p in self.params]
+        combos = list(itertools.product(*(p.values for p in self.params)))
+        return [self.variant(arch, **dict(zip(names, combo)))
+                for arch in (self.archs if archs is None else archs) for combo in combos]
+
+    def configs(self) -> list[Config]:
+        """Every point of the tune space, in YAML order; constraints not applied."""
+        keys = [key for key, _ in self.space]
+        return [Config(tuple(zip(keys, combo)))
+                for combo in itertools.product(*(values for _, values in self.space))]
+
+    def environment(self, variant: Variant, config: Config) -> dict:
+        if variant.spec != self.name:
+            raise SpecError(f"variant of spec {variant.spec!r} used with spec {self.name!r}")
+        info = ARCHS[variant.arch]
+        env = {**dict(variant.params), **dict(config.values),
+               "max_smem": info.max_smem, "arch_number": info.number}
+        for name, expr in self.derived:  # in order: each may use the ones before it
+            env[name] = expr(env)
+        return env
+
+    def violations(self, variant: Variant, config: Config) -> list[str]:
+        return self._failing(self.environment(variant, config))
+
+    def _failing(self, env: dict) -> list[str]:
+        return [c.text for c in self.constraints if not c(env)]
+
+    def valid_configs(self, variant: Variant) -> list[Config]:
+        return [c for c in self.configs() if not self.violations(variant, c)]
+
+    def default_config(self, variant: Variant) -> Config:
+        for when, config in self.defaults:
+            env = self.environment(variant, config)
+            if when(env) and not self._failing(env):
+                return config
+        for config in self.configs():
+            if not self.violations(variant, config):
+                return config
+        raise self._at("tune").error(
+            f"no config of the tune space fits {variant.slug} on {variant.arch}",
+            [c.text for c in self.constraints])
+
+    def parse_config(self, values: Mapping) -> Config:
+        return _config(self.space, values, self._at("config"))
+
+
+# ---- loading ------------------------------------------------------------------------------------
+
+class _Loader(yaml.SafeLoader):
+    """safe_load, but a key given twice is an error instead of silently keeping the last one."""
+
+
+def _unique_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False):
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if not isinstance(key, Hashable):
+            continue  # construct_mapping reports it
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} is given twice", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def _display(path: Path) -> str:
+    for base in (Path.cwd(), REPO_ROOT):
+        try:
+            return str(path.relative_to(base))
+        except ValueError:
+            pass
+    return str(path)
+
+
+def _kind(value) -> str:
+    kinds = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+             list: "a list", dict: "a mapping", type(None): "nothing (null)"}
+    return f"{kinds.get(type(value), type(value).__name__)} ({_show(value)!s:.40})"
+
+
+def _keys(value, at: _At, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict:
+    value = _mapping(value, at)
+    for key in value:
+        if key not in required + optional:
+            raise at[key].error("unknown key", required + optional)
+    for key in required:
+        if key not in value:
+            raise at[key].error("missing required key")
+    return value
+
+
+def _mapping(value, at: _At) -> dict:
+    if not isinstance(value, dict):
+        raise at.error(f"expected a mapping, got {_kind(value)}")
+    for key in value:
+        if not isinstance(key, str):
+            raise at.error(f"key {key!r} is {_kind(key)}, not a name")
+    return value
+
+
+def _list(value, at: _At, *, nonempty: bool = True) -> list:
+    if not isinstance(value, list):
+        raise at.error(f"expected a list, got {_kind(value)}")
+    if nonempty and not value:
+        raise at.error("empty list; give at least one value")
+    return value
+
+
+def _string(value, at: _At) -> str:
+    if not isinstance(value, str):
+        raise at.error(f"expected a string, got {_kind(value)}")
+    return value
+
+
+def _identifier(value, at: _At) -> str:
+    if not (isinstance(value, str) and _IDENTIFIER.match(value)):
+        raise at.error(f"expected an identifier, got {_kind(value)}", "letters, digits and _")
+    return value
+
+
+def _integer(value, at: _At) -> int:
+    if type(value) is not int:
+        raise at.error(f"expected an integer, got {_kind(value)}")
+    return value
+
+
+class _Names:
+    """Every name a spec defines, so that none is defined twice or shadows a built-in one."""
+
+    def __init__(self):
+        self.defined: dict[str, _At] = {}
+
+    def define(self, name: str, at: _At) -> str:
+        if name in RESERVED or name in CONTEXT_NAMES:
+            raise at.error(f"{name!r} is a reserved name", "any other identifier")
+        if name in self.defined:
+            raise at.error(f"{name!r} is already defined at {self.defined[name].key}")
+        self.defined[name] = at
+        return name
+
+
+def _formula(value, at: _At, allowed: Iterable[str]) -> Expr:
+    if type(value) is int:  # `block: [128, 1, 1]` reads as numbers
+        value = str(value)
+    if not isinstance(value, str):
+        raise at.error(f"expected an expression in a string, got {_kind(value)}")
+    try:
+        expr = parse_expr(value, where=str(at))
+    except ExprError as exc:
+        raise SpecError(str(exc)) from None
+    unknown = sorted(expr.names - set(allowed))
+    if unknown:
+        raise at.error(f"unknown name {unknown[0]!r} in {expr.text!r}", sorted(allowed))
+    return expr
+
+
+def _param(name: str, value, at: _At) -> Param:
+    body = _keys(value, at, ("values",), ("default",))
+    values = _list(body["values"], at["values"])
+    for i, v in enumerate(values):
+        if type(v) not in (int, bool, str) or (isinstance(v, str) and not _SLUG_TEXT.match(v)):
+            raise at["values"][i].error(f"{_kind(v)} is not a param value",
+                                        "integers, booleans, strings of letters, digits and _")
+        if type(v) is not type(values[0]):
+            raise at["values"][i].error(f"{_kind(v)} mixed with {_kind(values[0])}",
+                                        "values of one type")
+        if _member(v, values[:i]):
+            raise at["values"][i].error(f"value {_show(v)} is given twice")
+    default = body.get("default", values[0])
+    if not _member(default, values):
+        raise at["default"].error(f"default {_kind(default)} is not among the values", values)
+    return Param(name, tuple(values), default)
+
+
+def _arg(value, at: _At) -> Arg:
+    body = _keys(value, at, ("name", "type"), ("ctype",))
+    kind = body["type"]
+    if not isinstance(kind, str) or kind not in ARG_CTYPES:
+        raise at["type"].error(f"unknown arg type {kind!r}", ARG_CTYPES)
+    ctype = _string(body.get("ctype", ARG_CTYPES[kind]), at["ctype"])
+    return Arg(_identifier(body["name"], at["name"]), kind, ctype)
+
+
+def _space_values(value, at: _At) -> tuple[int, ...]:
+    values = [_integer(v, at[i]) for i, v in enumerate(_list(value, at))]
+    for i, v in enumerate(values):
+        if v in values[:i]:
+            raise at[i].error(f"value {v} is given twice")
+    return tuple(values)
+
+
+def _config(space, values, at: _At) -> Config:
+    values = _mapping(values, at)
+    ranges = dict(space)
+    for key in values:
+        if key not in ranges:
+            raise at[key].error("not a key of the tune space", ranges)
+    chosen = []
+    for key, allowed in space:
+        if key not in values:
+            raise at[key].error("missing; a config gives every key of the tune space")
+        if not _member(values[key], allowed):
+            raise at[key].error(f"{_kind(values[key])} is not in the tune space", allowed)
+        chosen.append((key, values[key]))
+    return Config(tuple(chosen))
+
+
+def _triple(value, at: _At, allowed: Iterable[str]) -> tuple[Expr, Expr, Expr]:
+    items = _list(value, at)
+    if len(items) != 3:
+        raise at.error(f"expected a list of 3 expressions (x, y, z), got {len(items)}")
+    return tuple(_formula(v, at[i], allowed) for i, v in enumerate(items))
+
+
+def _template_path(value, spec_path: Path, name: str, at: _At) -> Path:
+    # A user's spec may keep its template beside it; shipped specs pair with templates/<name>.cu.j2.
+    # A template that does not exist yet is reported by render, so a spec can be checked first.
+    relative = Path(_string(value, at) if value is not None else f"{name}.cu.j2")
+    candidates = [spec_path.parent / relative, TEMPLATES_DIR / relative]
+    return next((c for c in candidates if c.is_file()), candidates[-1]).resolve()
+
+
+def _archs(value, at: _At) -> tuple[str, ...]:
+    archs = _list(value, at)
+    for i, arch in enumerate(archs):
+        if not isinstance(arch, str) or arch not in ARCHS:
+            raise at[i].error(f"unknown arch {arch!r}", ARCHS)
+        if arch in archs[:i]:
+            raise at[i].error(f"arch {arch} is given twice")
+    return tuple(archs)
+
+
+def _parse(path: Path, text: bytes) -> KernelSpec:
+    at = _At(_display(path))
+    try:
+        doc = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark else "YAML"
+        raise SpecError(f"{at.file}: {where}: {getattr(exc, 'problem', None) or exc}") from None
+    top = _keys(doc, at, ("name", "entry", "archs", "params", "args", "tune", "launch"),
+                ("description", "derived", "template"))
+    name = _identifier(top["name"], at["name"])
+    names = _Names()
+
+    params = tuple(_param(names.define(key, at["params"][key]), value, at["params"][key])
+                   for key, value in _mapping(top["params"], at["params"]).items())
+    tune = _keys(top["tune"], at["tune"], ("space",), ("constraints", "defaults"))
+    space_at = at["tune"]["space"]
+    space = tuple((names.define(key, space_at[key]), _space_values(values, space_at[key]))
+                  for key, values in _mapping(tune["space"], space_at).items())
+
+    derived = []
+    for key, value in _mapping(top.get("derived", {}), at["derived"]).items():
+        # Only what is defined so far: derived values are computed in order.
+        expr = _formula(value, at["derived"][key], [*names.defined, "max_smem", "arch_number"])
+        derived.append((names.define(key, at["derived"][key]), expr))
+    known = [*names.defined, "max_smem", "arch_number"]
+
+    constraints_at = at["tune"]["constraints"]
+    constraints = tuple(_formula(v, constraints_at[i], known) for i, v in
+                        enumerate(_list(tune.get("constraints", []), constraints_at, nonempty=False)))
+    defaults = []
+    defaults_at = at["tune"]["defaults"]
+    for i, rule in enumerate(_list(tune.get("defaults", []), defaults_at, nonempty=False)):
+        rule = _keys(rule, defaults_at[i], ("config",), ("when",))
+        defaults.append((_formula(rule.get("when", "true"), defaults_at[i]["when"], known),
+                         _config(space, rule["config"], defaults_at[i]["config"])))
+
+    args_at = at["args"]
+    args = tuple(_arg(v, args_at[i]) for i, v in enumerate(_list(top["args"], args_at, nonempty=False)))
+    for i, arg in enumerate(args):
+        names.define(arg.name, args_at[i]["name"])
+    # Launch geometry may also depend on the runtime scalars (a grid over seqlen_q, say).
+    launch_names = known + [a.name for a in args if a.type != "ptr"]
+    launch = _keys(top["launch"], at["launch"], ("grid", "block"), ("smem",))
+
+    template = _template_path(top.get("template"), path, name, at["template"])
+    digest = hashlib.sha256(text)
+    digest.update(b"\0" + (template.read_bytes() if template.is_file() else b""))
+    return KernelSpec(
+        name=name,
+        description=_string(top.get("description", ""), at["description"]),
+        entry=_identifier(top["entry"], at["entry"]),
+        path=path,
+        template=template,
+        archs=_archs(top["archs"], at["archs"]),
+        params=params,
+        args=args,
+        derived=tuple(derived),
+        space=space,
+        constraints=constraints,
+        defaults=tuple(defaults),
+        grid=_triple(launch["grid"], at["launch"]["grid"], launch_names),
+        block=_triple(launch["block"], at["launch"]["block"], launch_names),
+        smem=_formula(launch.get("smem", "0"), at["launch"]["smem"], launch_names),
+        content_hash=digest.hexdigest(),
+    )
+
+
+def shipped_specs() -> list[str]:
+    return sorted(p.stem for p in SPECS_DIR.glob("*.yaml"))
+
+
+def _locate(spec: str | Path) -> Path:
+    text = str(spec)
+    if isinstance(spec, Path) or "/" in text or text.endswith((".yaml", ".yml")):
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise SpecError(f"{text}: no such spec file")
+        return path.resolve()
+    path = SPECS_DIR / f"{text}.yaml"
+    if not path.is_file():
+        raise SpecError(f"unknown spec {text!r}; allowed: "
+                        f"{', '.join(shipped_specs()) or '(none shipped)'}, or a path to a .yaml file")
+    return path.resolve()
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_mtime_ns, stat.st_size
+
+
+_loaded: dict[Path, tuple[tuple, KernelSpec]] = {}
+
+
+def load_spec(spec: str | Path) -> KernelSpec:
+    path = _locate(spec)
+    cached = _loaded.get(path)
+    # The template is part of content_hash, so an edit to either one reloads.
+    if cached and cached[0] == (_stamp(path), _stamp(cached[1].template)):
+        return cached[1]
+    stamp = _stamp(path)  # before reading: an edit during the read then reloads next time
+    loaded = _parse(path, path.read_bytes())
+    _loaded[path] = ((stamp, _stamp(loaded.template)), loaded)
+    return loaded
