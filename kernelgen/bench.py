@@ -1,0 +1,157 @@
+"""`kernelgen bench`: kernelgen against the peers on one GPU, in one process.
+
+Peers: torch SDPA with its flash backend (FlashAttention-2) and its cuDNN backend. The grid is the
+FlashAttention papers': batch x seqlen = 16k tokens, hidden 2048 (heads = 2048 / head_dim),
+seqlen 512 .. 16k, causal both ways. FLOPs = 4 * batch * heads * seqlen^2 * head_dim (halved for
+causal). Times are medians of CUDA-event-timed repeats after warm-up; every system gets fresh
+inputs of the same shape. Results are printed as a table and saved as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def time_ms(fn, warmup_ms: float = 30.0, rep_ms: float = 150.0) -> float:
+    """Median milliseconds of fn() by CUDA events, each repeat after an L2 flush."""
+    flush = torch.empty(64 * 1024 * 1024, dtype=torch.int32, device="cuda")  # 256 MB > L2
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = max(start.elapsed_time(end) / 3, 1e-3)
+    for _ in range(max(1, int(warmup_ms / estimate))):
+        fn()
+    times = []
+    for _ in range(max(5, min(1000, int(rep_ms / estimate)))):
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal) -> float:
+    flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
+    return flops / 2 if causal else flops
+
+
+def _sdpa(backend):
+    from torch.nn.attention import sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention
+
+    def run(q, k, v, causal):
+        # SDPA takes (batch, heads, seqlen, head_dim): transpose views, no copies.
+        with sdpa_kernel(backend):
+            return scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                v.transpose(1, 2), is_causal=causal)
+    return run
+
+
+def systems():
+    from torch.nn.attention import SDPBackend
+
+    import kernelgen
+
+    return {
+        "kernelgen": lambda q, k, v, causal: kernelgen.flash_attn_func(q, k, v, causal=causal),
+        "sdpa_flash": _sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
+    }
+
+
+def python_overhead_us(calls: int = 2000) -> float:
+    """Host time per kernelgen.flash_attn_func call on a problem too small to be GPU-bound."""
+    import kernelgen
+
+    q = torch.randn(1, 64, 1, 64, device="cuda", dtype=torch.bfloat16)
+    kernelgen.flash_attn_func(q, q, q)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        kernelgen.flash_attn_func(q, q, q)
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def run_grid(head_dims, seqlens, causals, dtype=torch.bfloat16, tokens=16384, hidden=2048):
+    results = []
+    for head_dim in head_dims:
+        heads = hidden // head_dim
+        for causal in causals:
+            for seqlen in seqlens:
+                batch = max(1, tokens // seqlen)
+                row = {"head_dim": head_dim, "causal": causal, "seqlen": seqlen, "batch": batch,
+                       "heads": heads, "tflops": {}, "ms": {}}
+                flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
+                for name, fn in systems().items():
+                    q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=dtype)
+                               for _ in range(3))
+                    try:
+                        ms = time_ms(lambda: fn(q, k, v, causal))
+                    except Exception as exc:  # a peer without a kernel for this shape
+                        row.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"[:200]
+                        continue
+                    row["ms"][name] = ms
+                    row["tflops"][name] = flops / ms / 1e9
+                    del q, k, v
+                results.append(row)
+                print(_format_row(row), flush=True)
+    return results
+
+
+COLUMNS = ("kernelgen", "sdpa_flash", "sdpa_cudnn")
+
+
+def _format_row(row) -> str:
+    t = row["tflops"]
+    cells = [f"{t[c]:8.1f}" if c in t else f"{'-':>8}" for c in COLUMNS]
+    ours = t.get("kernelgen")
+    ratios = [f"{ours / t[c]:6.2f}x" if ours and c in t else f"{'-':>7}" for c in COLUMNS[1:]]
+    return (f"hd{row['head_dim']:<4} {'causal' if row['causal'] else 'full':7} {row['seqlen']:>6} "
+            + " ".join(cells) + "  " + " ".join(ratios))
+
+
+def header() -> str:
+    return (f"{'hd':5} {'mask':7} {'seqlen':>6} " + " ".join(f"{c[:8]:>8}" for c in COLUMNS)
+            + "  " + " ".join(f"{'/' + c[5:]:>7}" for c in COLUMNS[1:]))
+
+
+def main(args=None) -> int:
+    parser = argparse.ArgumentParser(prog="kernelgen bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--causal", choices=["both", "true", "false"], default="both")
+    parser.add_argument("--out", default="bench-results", help="directory for the JSON results")
+    rest = getattr(args, "rest", None) if isinstance(args, argparse.Namespace) else args
+    opts = parser.parse_args(rest)
+    if not torch.cuda.is_available():
+        print("kernelgen bench: no CUDA GPU here; nothing to time")
+        return 1
+    causals = {"both": [False, True], "true": [True], "false": [False]}[opts.causal]
+    device = torch.cuda.get_device_name()
+    print(f"device: {device}; torch {torch.__version__}; TFLOP/s (bf16), ratios = kernelgen / peer")
+    overhead = python_overhead_us()
+    print(f"python overhead per flash_attn_func call: {overhead:.1f} us")
+    print(header())
+    results = run_grid(opts.head_dims, opts.seqlens, causals)
+    out_dir = Path(opts.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "bench.json"
+    path.write_text(json.dumps({"device": device, "torch": torch.__version__,
+                                "python_overhead_us": overhead, "results": results}, indent=1))
+    print(f"saved {path}")
+    return 0

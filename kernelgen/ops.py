@@ -1,0 +1,115 @@
+"""The attention API on top of the generated kernels: `flash_attn_func`.
+
+Validates everything before anything launches (errors name the argument), picks the variant for
+the input, and launches on torch's current stream without host synchronization.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernelgen import api
+from kernelgen.spec import load_spec
+
+FWD_SPEC = "flash_attn_fwd"
+_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _check_inputs(q, k, v):
+    # Structure first (testable anywhere), then the GPU, then devices.
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim (head_dim), got strides {t.stride()}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}: all inputs need one dtype")
+    batch, _, heads, head_dim = q.shape
+    if k.shape[0] != batch or v.shape[0] != batch:
+        raise ValueError(f"batch sizes differ: q {batch}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[3] != head_dim or v.shape[3] != head_dim:
+        raise ValueError(f"head_dim differs: q {head_dim}, k {k.shape[3]}, v {v.shape[3]}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v need the same seqlen, got {k.shape[1]} and {v.shape[1]}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v need the same number of heads, got {k.shape[2]} and {v.shape[2]}")
+    heads_k = k.shape[2]
+    if heads_k == 0 or heads % heads_k != 0:
+        raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({heads_k})")
+    allowed = next(p.values for p in load_spec(FWD_SPEC).params if p.name == "head_dim")
+    if head_dim not in allowed:
+        raise ValueError(f"head_dim {head_dim} is not supported; the {FWD_SPEC} spec allows {list(allowed)}")
+    if not torch.cuda.is_available():
+        raise RuntimeError("kernelgen.flash_attn_func needs a CUDA GPU; none is available here")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not t.is_cuda:
+            raise ValueError(f"{name} must be a CUDA tensor, got a tensor on {t.device}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """cp.async moves 16-byte chunks: base address and row strides must be 16-byte aligned."""
+    if t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:3]):
+        return t
+    return t.contiguous()
+
+
+_KERNELS: dict[tuple, api.BoundKernel] = {}
+
+
+def _forward_kernel(head_dim: int, dtype: str, causal: bool, device: int) -> api.BoundKernel:
+    key = (head_dim, dtype, causal, device)
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        spec = load_spec(FWD_SPEC)
+        kernel = api.load(spec, arch=api.pick_arch(spec, device), head_dim=head_dim, dtype=dtype,
+                          causal=causal)
+        _KERNELS[key] = kernel
+    return kernel
+
+
+def flash_attn_forward(q, k, v, causal: bool, softmax_scale: float):
+    """Launch the forward kernel. Inputs must already be validated. Returns (out, lse)."""
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    q, k, v = _aligned(q), _aligned(k), _aligned(v)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    device = q.device.index
+    kernel = _forward_kernel(head_dim, _DTYPES[q.dtype], causal, device)
+    block_m = kernel.config["block_m"]
+    values = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+              *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+              batch, heads, heads_k, seqlen_q, seqlen_k, softmax_scale)
+    grid = ((seqlen_q + block_m - 1) // block_m, heads, batch)
+    kernel.launch(values, grid, device, api._current_stream(device))
+    return out, lse
+
+
+def flash_attn_func(q, k, v, causal: bool = False, softmax_scale: float | None = None,
+                    return_lse: bool = False):
+    """Exact attention, FlashAttention layout: q (batch, seqlen_q, heads, head_dim), k and v
+    (batch, seqlen_k, heads_k, head_dim) with heads_k dividing heads (GQA/MQA). Causal masks are
+    aligned bottom-right. Returns out (like q) and, with return_lse, lse (batch, heads, seqlen_q)
+    in float32 (natural log)."""
+    _check_inputs(q, k, v)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    elif not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale!r}")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise NotImplementedError(
+            "kernelgen.flash_attn_func has no backward pass yet: call it on tensors that do not "
+            "require grad, or under torch.no_grad()"
+        )
+    out, lse = flash_attn_forward(q, k, v, bool(causal), float(softmax_scale))
+    return (out, lse) if return_lse else out

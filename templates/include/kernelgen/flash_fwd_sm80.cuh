@@ -1,0 +1,295 @@
+// FlashAttention-2 forward on mma.sync tensor cores (sm_80 .. sm_90).
+//
+// One CTA computes a BLOCK_M x HEAD_DIM tile of O for one (batch, head): it streams K/V tiles of
+// BLOCK_N rows through a STAGES-deep cp.async ring in shared memory and keeps the online-softmax
+// state (running max m, running sum l) and the fp32 O accumulator in registers. Each warp owns
+// BLOCK_M / WARPS whole query rows, so softmax needs only quad shuffles, never shared memory.
+// P = exp2(S * scale * log2e - m * scale * log2e) goes from the S accumulators straight into the
+// A operand of P.V (the m16n8 C layout of two adjacent n-tiles is the m16k16 A layout).
+//
+// Shared memory rows are padded by 16 bytes: with a row pitch of 2*HEAD_DIM+16 bytes the eight row
+// addresses of every ldmatrix (and the rows of every cp.async wavefront) fall in eight distinct
+// 16-byte bank groups for every head dim we ship (64, 96, 128, 192, 256).
+#pragma once
+#include "kernelgen/mma_sm80.cuh"
+
+namespace kg {
+
+template <class Elem>
+struct FwdArgs {
+    const Elem* q; const Elem* k; const Elem* v; Elem* o; float* lse;
+    i64 q_stride_b, q_stride_s, q_stride_h;
+    i64 k_stride_b, k_stride_s, k_stride_h;
+    i64 v_stride_b, v_stride_s, v_stride_h;
+    i64 o_stride_b, o_stride_s, o_stride_h;
+    int batch, heads, heads_k, seqlen_q, seqlen_k;
+    float softmax_scale;
+};
+
+template <class Elem_, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL>
+struct FwdConfig {
+    using Elem = Elem_;
+    static constexpr int kHeadDim = HEAD_DIM, kBlockM = BLOCK_M, kBlockN = BLOCK_N;
+    static constexpr int kWarps = WARPS, kStages = STAGES, kThreads = WARPS * 32;
+    static constexpr bool kCausal = CAUSAL;
+    static constexpr int kRowsPerWarp = BLOCK_M / WARPS;
+    static constexpr int kMTiles = kRowsPerWarp / 16;   // m16 tiles per warp
+    static constexpr int kSTiles = BLOCK_N / 8;          // n8 tiles of S per row block
+    static constexpr int kOTiles = HEAD_DIM / 8;         // n8 tiles of O
+    static constexpr int kPitch = HEAD_DIM + 8;          // smem row pitch in elements (+16 bytes)
+    static constexpr int kTileQ = BLOCK_M * kPitch, kTileKV = BLOCK_N * kPitch;
+    static constexpr int kSmemBytes = (kTileQ + 2 * STAGES * kTileKV) * 2;
+
+    static_assert(BLOCK_M % (16 * WARPS) == 0, "each warp owns whole m16 tiles");
+    static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0, "k16 steps over keys and head dim");
+    static_assert(STAGES >= 2, "a ring of one stage cannot overlap loads with math");
+};
+
+// Copy `rows` x HEAD_DIM elements (row stride `stride`) into a padded smem tile with 16-byte
+// cp.async; rows at or past `valid_rows` are zero-filled so later math sees finite values.
+template <class C, int ROWS>
+__device__ __forceinline__ void load_tile(u32 smem_tile, const typename C::Elem* gmem, i64 stride,
+                                          int valid_rows, int tid) {
+    constexpr int kChunksPerRow = C::kHeadDim / 8;
+    constexpr int kChunks = ROWS * kChunksPerRow;
+    #pragma unroll
+    for (int i = 0; i < cdiv(kChunks, C::kThreads); ++i) {
+        const int chunk = tid + i * C::kThreads;
+        if (kChunks % C::kThreads == 0 || chunk < kChunks) {
+            const int row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
+            const bool valid = row < valid_rows;
+            const auto* src = gmem + (valid ? row * stride + col : 0);
+            cp_async_16(smem_tile + (row * C::kPitch + col) * 2, src, valid);
+        }
+    }
+}
+
+template <class C>
+__device__ __forceinline__ void flash_fwd_sm80(const FwdArgs<typename C::Elem>& a) {
+    using Elem = typename C::Elem;
+    extern __shared__ __align__(128) unsigned char smem[];
+
+    const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int kv_head = head / (a.heads / a.heads_k);
+    const int row0 = m_block * C::kBlockM;               // first query row of this CTA
+
+    const Elem* q = a.q + batch * a.q_stride_b + head * a.q_stride_h + row0 * a.q_stride_s;
+    const Elem* k = a.k + batch * a.k_stride_b + kv_head * a.k_stride_h;
+    const Elem* v = a.v + batch * a.v_stride_b + kv_head * a.v_stride_h;
+    Elem* o = a.o + batch * a.o_stride_b + head * a.o_stride_h + row0 * a.o_stride_s;
+    float* lse = a.lse + (i64(batch) * a.heads + head) * a.seqlen_q;
+
+    // Keys this CTA can see. Causal is aligned bottom-right: query i sees keys <= i + sk - sq.
+    const int q_rows = min(a.seqlen_q - row0, C::kBlockM);
+    int kv_end = a.seqlen_k;
+    if constexpr (C::kCausal) kv_end = min(kv_end, row0 + q_rows + a.seqlen_k - a.seqlen_q);
+    const int n_blocks = kv_end > 0 ? cdiv(kv_end, C::kBlockN) : 0;
+
+    if (n_blocks == 0) {  // every row of the tile sees no key: O = 0, LSE = -inf
+        for (int i = tid; i < q_rows * C::kHeadDim; i += C::kThreads)
+            o[(i / C::kHeadDim) * a.o_stride_s + i % C::kHeadDim] = Elem{0};
+        for (int i = tid; i < q_rows; i += C::kThreads) lse[row0 + i] = neg_inf();
+        return;
+    }
+
+    const u32 s_q = smem_addr(smem);
+    const u32 s_k = s_q + C::kTileQ * 2;
+    const u32 s_v = s_k + C::kStages * C::kTileKV * 2;
+
+    // Prologue: Q with the first K/V tile in one group, then STAGES-2 more groups.
+    load_tile<C, C::kBlockM>(s_q, q, a.q_stride_s, q_rows, tid);
+    #pragma unroll
+    for (int s = 0; s < C::kStages - 1; ++s) {
+        if (s < n_blocks) {
+            const int rows = a.seqlen_k - s * C::kBlockN;
+            load_tile<C, C::kBlockN>(s_k + s * C::kTileKV * 2, k + s * C::kBlockN * a.k_stride_s,
+                                     a.k_stride_s, rows, tid);
+            load_tile<C, C::kBlockN>(s_v + s * C::kTileKV * 2, v + s * C::kBlockN * a.v_stride_s,
+                                     a.v_stride_s, rows, tid);
+        }
+        cp_async_commit();  // empty groups keep the wait_group arithmetic uniform
+    }
+
+    // Per-lane ldmatrix row offsets (bytes), see mma_sm80.cuh for the fragment layouts.
+    const int warp_row = warp * C::kRowsPerWarp;
+    const u32 q_lane = ((warp_row + lane % 16) * C::kPitch + (lane / 16) * 8) * 2;
+    const u32 k_lane = ((lane % 8 + (lane / 16) * 8) * C::kPitch + ((lane / 8) % 2) * 8) * 2;
+    const u32 v_lane = ((lane % 8 + ((lane / 8) % 2) * 8) * C::kPitch + (lane / 16) * 8) * 2;
+
+    float acc_o[C::kMTiles][C::kOTiles][4];
+    float row_max[C::kMTiles][2], row_sum[C::kMTiles][2];
+    #pragma unroll
+    for (int mt = 0; mt < C::kMTiles; ++mt) {
+        #pragma unroll
+        for (int nt = 0; nt < C::kOTiles; ++nt)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[mt][nt][e] = 0.f;
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) { row_max[mt][h] = neg_inf(); row_sum[mt][h] = 0.f; }
+    }
+    const float scale_log2 = a.softmax_scale * kLog2e;
+    // Rows of this lane: row0 + warp_row + mt*16 + lane/4 + 8h. Causal limit for a row r: r + shift.
+    const int lane_row = row0 + warp_row + lane / 4;
+    const int causal_shift = a.seqlen_k - a.seqlen_q;
+
+    for (int nb = 0; nb < n_blocks; ++nb) {
+        cp_async_wait<C::kStages - 2>();
+        __syncthreads();  // tile nb visible to all warps; slot (nb-1) % STAGES is free again
+
+        {   // prefetch tile nb + STAGES - 1 into the slot the previous iteration released
+            const int pf = nb + C::kStages - 1;
+            if (pf < n_blocks) {
+                const int slot = pf % C::kStages, rows = a.seqlen_k - pf * C::kBlockN;
+                load_tile<C, C::kBlockN>(s_k + slot * C::kTileKV * 2,
+                                         k + pf * C::kBlockN * a.k_stride_s, a.k_stride_s, rows, tid);
+                load_tile<C, C::kBlockN>(s_v + slot * C::kTileKV * 2,
+                                         v + pf * C::kBlockN * a.v_stride_s, a.v_stride_s, rows, tid);
+            }
+            cp_async_commit();
+        }
+
+        const int slot = nb % C::kStages;
+        const u32 k_tile = s_k + slot * C::kTileKV * 2, v_tile = s_v + slot * C::kTileKV * 2;
+
+        // S = Q K^T for this warp's rows (fp32, unscaled).
+        float acc_s[C::kMTiles][C::kSTiles][4];
+        #pragma unroll
+        for (int mt = 0; mt < C::kMTiles; ++mt)
+            #pragma unroll
+            for (int nt = 0; nt < C::kSTiles; ++nt)
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] = 0.f;
+        #pragma unroll
+        for (int kk = 0; kk < C::kHeadDim / 16; ++kk) {
+            u32 qa[C::kMTiles][4];
+            #pragma unroll
+            for (int mt = 0; mt < C::kMTiles; ++mt)
+                ldmatrix_x4(qa[mt], s_q + q_lane + (mt * 16 * C::kPitch + kk * 16) * 2);
+            #pragma unroll
+            for (int np = 0; np < C::kSTiles / 2; ++np) {
+                u32 kb[4];
+                ldmatrix_x4(kb, k_tile + k_lane + (np * 16 * C::kPitch + kk * 16) * 2);
+                #pragma unroll
+                for (int mt = 0; mt < C::kMTiles; ++mt) {
+                    mma_16816(acc_s[mt][2 * np], qa[mt], kb[0], kb[1], Elem{});
+                    mma_16816(acc_s[mt][2 * np + 1], qa[mt], kb[2], kb[3], Elem{});
+                }
+            }
+        }
+
+        // Mask keys past seqlen_k and, for causal, keys past each row's diagonal. Only the
+        // tiles that straddle a boundary pay for it (a CTA-uniform branch).
+        const int col0 = nb * C::kBlockN;
+        bool need_mask = col0 + C::kBlockN > a.seqlen_k;
+        if constexpr (C::kCausal) need_mask |= col0 + C::kBlockN - 1 > row0 + causal_shift;
+        if (need_mask) {
+            #pragma unroll
+            for (int mt = 0; mt < C::kMTiles; ++mt)
+                #pragma unroll
+                for (int nt = 0; nt < C::kSTiles; ++nt)
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int col = col0 + nt * 8 + 2 * (lane % 4) + (e & 1);
+                        const int row = lane_row + mt * 16 + (e / 2) * 8;
+                        bool masked = col >= a.seqlen_k;
+                        if constexpr (C::kCausal) masked |= col > row + causal_shift;
+                        if (masked) acc_s[mt][nt][e] = neg_inf();
+                    }
+        }
+
+        // Online softmax: new running max, rescale l and O by alpha = exp2((m_old - m_new)*c).
+        #pragma unroll
+        for (int mt = 0; mt < C::kMTiles; ++mt)
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float mx = row_max[mt][h];
+                #pragma unroll
+                for (int nt = 0; nt < C::kSTiles; ++nt)
+                    mx = fmaxf(mx, fmaxf(acc_s[mt][nt][2 * h], acc_s[mt][nt][2 * h + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                // A row that has seen only masked keys keeps m = -inf; use 0 so that
+                // (-inf) - (-inf) never happens: its p and alpha are then exp2(-inf) = 0.
+                const float m_scaled = mx == neg_inf() ? 0.f : mx * scale_log2;
+                const float alpha = exp2_approx(row_max[mt][h] * scale_log2 - m_scaled);
+                row_max[mt][h] = mx;
+                float sum = 0.f;
+                #pragma unroll
+                for (int nt = 0; nt < C::kSTiles; ++nt)
+                    #pragma unroll
+                    for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                        const float p = exp2_approx(fmaf(acc_s[mt][nt][e], scale_log2, -m_scaled));
+                        acc_s[mt][nt][e] = p;
+                        sum += p;
+                    }
+                // Each lane keeps a partial sum over its own columns; the quad reduces at the end.
+                row_sum[mt][h] = row_sum[mt][h] * alpha + sum;
+                #pragma unroll
+                for (int nt = 0; nt < C::kOTiles; ++nt) {
+                    acc_o[mt][nt][2 * h] *= alpha;
+                    acc_o[mt][nt][2 * h + 1] *= alpha;
+                }
+            }
+
+        // O += P V, P from registers, V fragments by transposed ldmatrix.
+        #pragma unroll
+        for (int kk = 0; kk < C::kBlockN / 16; ++kk) {
+            u32 pa[C::kMTiles][4];
+            #pragma unroll
+            for (int mt = 0; mt < C::kMTiles; ++mt) {
+                pa[mt][0] = pack2<Elem>(acc_s[mt][2 * kk][0], acc_s[mt][2 * kk][1]);
+                pa[mt][1] = pack2<Elem>(acc_s[mt][2 * kk][2], acc_s[mt][2 * kk][3]);
+                pa[mt][2] = pack2<Elem>(acc_s[mt][2 * kk + 1][0], acc_s[mt][2 * kk + 1][1]);
+                pa[mt][3] = pack2<Elem>(acc_s[mt][2 * kk + 1][2], acc_s[mt][2 * kk + 1][3]);
+            }
+            #pragma unroll
+            for (int dp = 0; dp < C::kHeadDim / 16; ++dp) {
+                u32 vb[4];
+                ldmatrix_x4_trans(vb, v_tile + v_lane + (kk * 16 * C::kPitch + dp * 16) * 2);
+                #pragma unroll
+                for (int mt = 0; mt < C::kMTiles; ++mt) {
+                    mma_16816(acc_o[mt][2 * dp], pa[mt], vb[0], vb[1], Elem{});
+                    mma_16816(acc_o[mt][2 * dp + 1], pa[mt], vb[2], vb[3], Elem{});
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // Epilogue: O /= l, LSE = (m*c + log2 l) * ln2. Rows with l == 0 saw no key: O = 0, LSE = -inf.
+    // O goes through this warp's own rows of the Q tile (no other warp reads them) so that global
+    // stores are 16-byte and coalesced.
+    unsigned char* s_o = smem;
+    #pragma unroll
+    for (int mt = 0; mt < C::kMTiles; ++mt)
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float l = row_sum[mt][h];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const bool empty = !(l > 0.f);
+            const float inv = empty ? 0.f : 1.f / l;
+            const int r = warp_row + mt * 16 + lane / 4 + 8 * h;
+            if (lane % 4 == 0 && r < q_rows)
+                lse[row0 + r] = empty ? neg_inf()
+                                      : (row_max[mt][h] * scale_log2 + log2_approx(l)) * kLn2;
+            #pragma unroll
+            for (int nt = 0; nt < C::kOTiles; ++nt) {
+                const int c = nt * 8 + 2 * (lane % 4);
+                *reinterpret_cast<u32*>(s_o + (r * C::kPitch + c) * 2) =
+                    pack2<Elem>(acc_o[mt][nt][2 * h] * inv, acc_o[mt][nt][2 * h + 1] * inv);
+            }
+        }
+    __syncwarp();
+    constexpr int kChunksPerRow = C::kHeadDim / 8;
+    #pragma unroll
+    for (int i = lane; i < C::kRowsPerWarp * kChunksPerRow; i += 32) {
+        const int r = warp_row + i / kChunksPerRow, c = (i % kChunksPerRow) * 8;
+        if (r < q_rows)
+            *reinterpret_cast<uint4*>(o + r * a.o_stride_s + c) =
+                *reinterpret_cast<const uint4*>(s_o + (r * C::kPitch + c) * 2);
+    }
+}
+
+}  // namespace kg
