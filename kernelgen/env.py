@@ -70,6 +70,7 @@ def settings() -> Settings:
     )
 
 
-def reload_settings() -> Settings:
+def reload_settings() -> None:
+    # Lazy: the next settings() call reads the environment (and creates the cache dir), so a test
+    # restoring the real environment on teardown does not create the user's cache dir.
     settings.cache_clear()
-    return settings()
