@@ -45,24 +45,45 @@ struct FwdConfig {
     static_assert(STAGES >= 2, "a ring of one stage cannot overlap loads with math");
 };
 
-// Copy `rows` x HEAD_DIM elements (row stride `stride`) into a padded smem tile with 16-byte
+// Copy `ROWS` x HEAD_DIM elements (row stride `stride`) into a padded smem tile with 16-byte
 // cp.async; rows at or past `valid_rows` are zero-filled so later math sees finite values.
-template <class C, int ROWS>
-__device__ __forceinline__ void load_tile(u32 smem_tile, const typename C::Elem* gmem, i64 stride,
-                                          int valid_rows, int tid) {
-    constexpr int kChunksPerRow = C::kHeadDim / 8;
-    constexpr int kChunks = ROWS * kChunksPerRow;
-    #pragma unroll
-    for (int i = 0; i < cdiv(kChunks, C::kThreads); ++i) {
-        const int chunk = tid + i * C::kThreads;
-        if (kChunks % C::kThreads == 0 || chunk < kChunks) {
-            const int row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
-            const bool valid = row < valid_rows;
-            const auto* src = gmem + (valid ? row * stride + col : 0);
-            cp_async_16(smem_tile + (row * C::kPitch + col) * 2, src, valid);
+// A row's CHUNKS 16-byte chunks are spread over kThreadsPerRow threads (the largest power of two
+// dividing CHUNKS), so each thread's chunks sit at fixed offsets from one smem address and one
+// global offset: immediates, not a register per chunk (those were hoisted out of the main loop
+// and spilled).
+template <class C>
+struct TileLoader {
+    static constexpr int kChunksPerRow = C::kHeadDim / 8;
+    static constexpr int kThreadsPerRow = kChunksPerRow & -kChunksPerRow;
+    static constexpr int kRowsPerPass = C::kThreads / kThreadsPerRow;
+    static_assert(C::kThreads % kThreadsPerRow == 0, "threads cover whole rows");
+    int row;   // first row of this thread
+    u32 smem;  // byte offset of its first chunk inside a tile
+    int col;   // element offset of its first chunk inside a row
+
+    __device__ __forceinline__ explicit TileLoader(int tid)
+        : row(tid / kThreadsPerRow), smem(0), col((tid % kThreadsPerRow) * 8) {
+        smem = (row * C::kPitch + col) * 2;
+    }
+
+    template <int ROWS>
+    __device__ __forceinline__ void load(u32 smem_tile, const typename C::Elem* gmem, i64 stride,
+                                         int valid_rows) const {
+        const auto* src = gmem + row * stride + col;
+        #pragma unroll
+        for (int pass = 0; pass < cdiv(ROWS, kRowsPerPass); ++pass) {
+            const int r = row + pass * kRowsPerPass;
+            if (ROWS % kRowsPerPass == 0 || r < ROWS) {
+                const bool valid = r < valid_rows;
+                #pragma unroll
+                for (int j = 0; j < kChunksPerRow / kThreadsPerRow; ++j)
+                    cp_async_16(smem_tile + smem + (pass * kRowsPerPass * C::kPitch + j * kThreadsPerRow * 8) * 2,
+                                valid ? src + pass * kRowsPerPass * stride + j * kThreadsPerRow * 8 : gmem,
+                                valid);
+            }
         }
     }
-}
+};
 
 template <class C>
 __device__ __forceinline__ void flash_fwd_sm80(const FwdArgs<typename C::Elem>& a) {
@@ -98,15 +119,16 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdArgs<typename C::Elem>& 
     const u32 s_v = s_k + C::kStages * C::kTileKV * 2;
 
     // Prologue: Q with the first K/V tile in one group, then STAGES-2 more groups.
-    load_tile<C, C::kBlockM>(s_q, q, a.q_stride_s, q_rows, tid);
+    const TileLoader<C> loader(tid);
+    loader.template load<C::kBlockM>(s_q, q, a.q_stride_s, q_rows);
     #pragma unroll
     for (int s = 0; s < C::kStages - 1; ++s) {
         if (s < n_blocks) {
             const int rows = a.seqlen_k - s * C::kBlockN;
-            load_tile<C, C::kBlockN>(s_k + s * C::kTileKV * 2, k + s * C::kBlockN * a.k_stride_s,
-                                     a.k_stride_s, rows, tid);
-            load_tile<C, C::kBlockN>(s_v + s * C::kTileKV * 2, v + s * C::kBlockN * a.v_stride_s,
-                                     a.v_stride_s, rows, tid);
+            loader.template load<C::kBlockN>(s_k + s * C::kTileKV * 2,
+                                             k + s * C::kBlockN * a.k_stride_s, a.k_stride_s, rows);
+            loader.template load<C::kBlockN>(s_v + s * C::kTileKV * 2,
+                                             v + s * C::kBlockN * a.v_stride_s, a.v_stride_s, rows);
         }
         cp_async_commit();  // empty groups keep the wait_group arithmetic uniform
     }
@@ -141,10 +163,10 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdArgs<typename C::Elem>& 
             const int pf = nb + C::kStages - 1;
             if (pf < n_blocks) {
                 const int slot = pf % C::kStages, rows = a.seqlen_k - pf * C::kBlockN;
-                load_tile<C, C::kBlockN>(s_k + slot * C::kTileKV * 2,
-                                         k + pf * C::kBlockN * a.k_stride_s, a.k_stride_s, rows, tid);
-                load_tile<C, C::kBlockN>(s_v + slot * C::kTileKV * 2,
-                                         v + pf * C::kBlockN * a.v_stride_s, a.v_stride_s, rows, tid);
+                loader.template load<C::kBlockN>(s_k + slot * C::kTileKV * 2,
+                                                 k + pf * C::kBlockN * a.k_stride_s, a.k_stride_s, rows);
+                loader.template load<C::kBlockN>(s_v + slot * C::kTileKV * 2,
+                                                 v + pf * C::kBlockN * a.v_stride_s, a.v_stride_s, rows);
             }
             cp_async_commit();
         }
@@ -198,7 +220,9 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdArgs<typename C::Elem>& 
                     }
         }
 
-        // Online softmax: new running max, rescale l and O by alpha = exp2((m_old - m_new)*c).
+        // Online softmax: new running max, rescale l and O by alpha = exp2((m_old - m_new)*c),
+        // then P = exp2(S*c - m_new*c) packed to 16-bit at once so the fp32 S registers die here.
+        u32 p_frag[C::kMTiles][C::kSTiles][2];
         #pragma unroll
         for (int mt = 0; mt < C::kMTiles; ++mt)
             #pragma unroll
@@ -216,13 +240,12 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdArgs<typename C::Elem>& 
                 row_max[mt][h] = mx;
                 float sum = 0.f;
                 #pragma unroll
-                for (int nt = 0; nt < C::kSTiles; ++nt)
-                    #pragma unroll
-                    for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                        const float p = exp2_approx(fmaf(acc_s[mt][nt][e], scale_log2, -m_scaled));
-                        acc_s[mt][nt][e] = p;
-                        sum += p;
-                    }
+                for (int nt = 0; nt < C::kSTiles; ++nt) {
+                    const float p0 = exp2_approx(fmaf(acc_s[mt][nt][2 * h], scale_log2, -m_scaled));
+                    const float p1 = exp2_approx(fmaf(acc_s[mt][nt][2 * h + 1], scale_log2, -m_scaled));
+                    p_frag[mt][nt][h] = pack2<Elem>(p0, p1);
+                    sum += p0 + p1;
+                }
                 // Each lane keeps a partial sum over its own columns; the quad reduces at the end.
                 row_sum[mt][h] = row_sum[mt][h] * alpha + sum;
                 #pragma unroll
@@ -235,13 +258,14 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdArgs<typename C::Elem>& 
         // O += P V, P from registers, V fragments by transposed ldmatrix.
         #pragma unroll
         for (int kk = 0; kk < C::kBlockN / 16; ++kk) {
+            // The C layout of n-tiles 2kk and 2kk+1 is the A layout of k-step kk.
             u32 pa[C::kMTiles][4];
             #pragma unroll
             for (int mt = 0; mt < C::kMTiles; ++mt) {
-                pa[mt][0] = pack2<Elem>(acc_s[mt][2 * kk][0], acc_s[mt][2 * kk][1]);
-                pa[mt][1] = pack2<Elem>(acc_s[mt][2 * kk][2], acc_s[mt][2 * kk][3]);
-                pa[mt][2] = pack2<Elem>(acc_s[mt][2 * kk + 1][0], acc_s[mt][2 * kk + 1][1]);
-                pa[mt][3] = pack2<Elem>(acc_s[mt][2 * kk + 1][2], acc_s[mt][2 * kk + 1][3]);
+                pa[mt][0] = p_frag[mt][2 * kk][0];
+                pa[mt][1] = p_frag[mt][2 * kk][1];
+                pa[mt][2] = p_frag[mt][2 * kk + 1][0];
+                pa[mt][3] = p_frag[mt][2 * kk + 1][1];
             }
             #pragma unroll
             for (int dp = 0; dp < C::kHeadDim / 16; ++dp) {
