@@ -192,9 +192,22 @@ def cache_info() -> CacheInfo:
 
 
 def clear_cache() -> CacheInfo:
-    """Delete every binary and dumped source; returns what was there."""
+    """Delete every binary, dumped source and build stamp; returns what was there."""
     info = cache_info()
-    for sub in ("binaries", "sources"):
+    for sub in ("binaries", "sources", "build"):
         shutil.rmtree(info.root / sub, ignore_errors=True)
     clear_memo()
     return info
+
+
+def main(argv: list[str]) -> int:
+    """`kernelgen cache [info | clear]`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="kernelgen cache", description="the compiled-kernel cache")
+    parser.add_argument("action", nargs="?", choices=("info", "clear"), default="info")
+    action = parser.parse_args(argv).action
+    info = clear_cache() if action == "clear" else cache_info()
+    verb = "removed" if action == "clear" else "holds"
+    print(f"{info.root} {verb} {info.entries} binaries, {info.bytes / 2**20:.1f} MiB")
+    return 0

@@ -21,16 +21,11 @@ def source(tag: str = "1.0f", name: str = "scale_test"):
     return SimpleNamespace(text=KERNEL % tag, name=name, entry="scale")
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path / "cache"))
-    for name in ("KERNELGEN_NO_COMPILE", "KERNELGEN_ALWAYS_COMPILE", "KERNELGEN_DUMP_SOURCES"):
-        monkeypatch.delenv(name, raising=False)
-    env.reload_settings()
+@pytest.fixture(autouse=True)
+def no_memo():
+    # The in-process memo would hide whether a test's binary came from disk or from NVRTC.
     cache.clear_memo()
-    yield tmp_path / "cache"
-    monkeypatch.undo()
-    env.reload_settings()
+    yield
     cache.clear_memo()
 
 

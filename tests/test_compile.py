@@ -1,4 +1,7 @@
-"""compile.py: NVRTC to CUBIN and the ptxas resource report (CPU only: NVRTC needs no GPU)."""
+"""compile.py: NVRTC to CUBIN and the ptxas resource report (CPU only: NVRTC needs no GPU).
+
+`cache_dir` (conftest.py): a fresh KERNELGEN_CACHE_DIR with every switch off.
+"""
 from __future__ import annotations
 
 import pytest
@@ -45,17 +48,6 @@ ptxas info    : Function properties for other
 ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
 ptxas info    : Used 32 registers, used 0 barriers, 368 bytes cmem[0]
 """
-
-
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path / "cache"))
-    for name in ("KERNELGEN_NO_COMPILE", "KERNELGEN_ALWAYS_COMPILE", "KERNELGEN_DUMP_SOURCES"):
-        monkeypatch.delenv(name, raising=False)
-    env.reload_settings()
-    yield tmp_path / "cache"
-    monkeypatch.undo()
-    env.reload_settings()
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
