@@ -107,7 +107,7 @@ class Config(_Pairs):
 
 @dataclass(frozen=True)
 class _At:
-    """Where in which file a value sits, for error messages: `specs/x.yaml: tune.space.block_m[1]`."""
+    """Where a value sits, for error messages: `specs/x.yaml: tune.space.block_m[1]`."""
 
     file: str
     key: str = ""
@@ -166,7 +166,8 @@ class KernelSpec:
     def variant(self, arch: str | None = None, **params) -> Variant:
         arch = self.archs[0] if arch is None else arch
         if arch not in self.archs:
-            raise self._at("archs").error(f"arch {arch!r} is not one of this spec's archs", self.archs)
+            raise self._at("archs").error(f"arch {arch!r} is not one of this spec's archs",
+                                          self.archs)
         known = [p.name for p in self.params]
         for name in params:
             if name not in known:
@@ -354,7 +355,7 @@ def _param(name: str, value, at: _At) -> Param:
             raise at["values"][i].error(f"value {_show(v)} is given twice")
     default = body.get("default", values[0])
     if not _member(default, values):
-        raise at["default"].error(f"default {_kind(default)} is not among the values", values)
+        raise at["default"].error(f"{_kind(default)} is not among the values", values)
     return Param(name, tuple(values), default)
 
 
@@ -416,71 +417,77 @@ def _archs(value, at: _At) -> tuple[str, ...]:
     return tuple(archs)
 
 
-def _parse(path: Path, text: bytes) -> KernelSpec:
-    at = _At(_display(path))
+def _read_yaml(text: bytes, at: _At) -> dict:
     try:
         doc = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else "YAML"
         raise SpecError(f"{at.file}: {where}: {getattr(exc, 'problem', None) or exc}") from None
-    top = _keys(doc, at, ("name", "entry", "archs", "params", "args", "tune", "launch"),
-                ("description", "derived", "template"))
+    return _keys(doc, at, ("name", "entry", "archs", "params", "args", "tune", "launch"),
+                 ("description", "derived", "template"))
+
+
+def _derived(value, at: _At, names: _Names) -> tuple[tuple[str, Expr], ...]:
+    derived = []
+    for key, text in _mapping(value, at).items():
+        # Only the names defined so far: derived values are computed in order.
+        expr = _formula(text, at[key], [*names.defined, "max_smem", "arch_number"])
+        derived.append((names.define(key, at[key]), expr))
+    return tuple(derived)
+
+
+def _rules(tune: dict, at: _At, space, known: list[str]):
+    constraints = _list(tune.get("constraints", []), at["constraints"], nonempty=False)
+    constraints = tuple(_formula(v, at["constraints"][i], known) for i, v in enumerate(constraints))
+    defaults = []
+    for i, rule in enumerate(_list(tune.get("defaults", []), at["defaults"], nonempty=False)):
+        rule_at = at["defaults"][i]
+        rule = _keys(rule, rule_at, ("config",), ("when",))
+        defaults.append((_formula(rule.get("when", "true"), rule_at["when"], known),
+                         _config(space, rule["config"], rule_at["config"])))
+    return constraints, tuple(defaults)
+
+
+def _launch(value, at: _At, names: list[str]) -> tuple:
+    launch = _keys(value, at, ("grid", "block"), ("smem",))
+    return (_triple(launch["grid"], at["grid"], names),
+            _triple(launch["block"], at["block"], names),
+            _formula(launch.get("smem", "0"), at["smem"], names))
+
+
+def _parse(path: Path, text: bytes) -> KernelSpec:
+    at = _At(_display(path))
+    top = _read_yaml(text, at)
     name = _identifier(top["name"], at["name"])
     names = _Names()
-
     params = tuple(_param(names.define(key, at["params"][key]), value, at["params"][key])
                    for key, value in _mapping(top["params"], at["params"]).items())
     tune = _keys(top["tune"], at["tune"], ("space",), ("constraints", "defaults"))
     space_at = at["tune"]["space"]
     space = tuple((names.define(key, space_at[key]), _space_values(values, space_at[key]))
                   for key, values in _mapping(tune["space"], space_at).items())
-
-    derived = []
-    for key, value in _mapping(top.get("derived", {}), at["derived"]).items():
-        # Only what is defined so far: derived values are computed in order.
-        expr = _formula(value, at["derived"][key], [*names.defined, "max_smem", "arch_number"])
-        derived.append((names.define(key, at["derived"][key]), expr))
+    derived = _derived(top.get("derived", {}), at["derived"], names)
     known = [*names.defined, "max_smem", "arch_number"]
+    constraints, defaults = _rules(tune, at["tune"], space, known)
 
-    constraints_at = at["tune"]["constraints"]
-    constraints = tuple(_formula(v, constraints_at[i], known) for i, v in
-                        enumerate(_list(tune.get("constraints", []), constraints_at, nonempty=False)))
-    defaults = []
-    defaults_at = at["tune"]["defaults"]
-    for i, rule in enumerate(_list(tune.get("defaults", []), defaults_at, nonempty=False)):
-        rule = _keys(rule, defaults_at[i], ("config",), ("when",))
-        defaults.append((_formula(rule.get("when", "true"), defaults_at[i]["when"], known),
-                         _config(space, rule["config"], defaults_at[i]["config"])))
-
-    args_at = at["args"]
-    args = tuple(_arg(v, args_at[i]) for i, v in enumerate(_list(top["args"], args_at, nonempty=False)))
+    args = _list(top["args"], at["args"], nonempty=False)
+    args = tuple(_arg(v, at["args"][i]) for i, v in enumerate(args))
     for i, arg in enumerate(args):
-        names.define(arg.name, args_at[i]["name"])
+        names.define(arg.name, at["args"][i]["name"])
     # Launch geometry may also depend on the runtime scalars (a grid over seqlen_q, say).
-    launch_names = known + [a.name for a in args if a.type != "ptr"]
-    launch = _keys(top["launch"], at["launch"], ("grid", "block"), ("smem",))
+    grid, block, smem = _launch(top["launch"], at["launch"],
+                                known + [a.name for a in args if a.type != "ptr"])
 
     template = _template_path(top.get("template"), path, name, at["template"])
     digest = hashlib.sha256(text)
     digest.update(b"\0" + (template.read_bytes() if template.is_file() else b""))
     return KernelSpec(
-        name=name,
-        description=_string(top.get("description", ""), at["description"]),
-        entry=_identifier(top["entry"], at["entry"]),
-        path=path,
-        template=template,
-        archs=_archs(top["archs"], at["archs"]),
-        params=params,
-        args=args,
-        derived=tuple(derived),
-        space=space,
-        constraints=constraints,
-        defaults=tuple(defaults),
-        grid=_triple(launch["grid"], at["launch"]["grid"], launch_names),
-        block=_triple(launch["block"], at["launch"]["block"], launch_names),
-        smem=_formula(launch.get("smem", "0"), at["launch"]["smem"], launch_names),
-        content_hash=digest.hexdigest(),
+        name=name, description=_string(top.get("description", ""), at["description"]),
+        entry=_identifier(top["entry"], at["entry"]), path=path, template=template,
+        archs=_archs(top["archs"], at["archs"]), params=params, args=args, derived=derived,
+        space=space, constraints=constraints, defaults=defaults, grid=grid, block=block,
+        smem=smem, content_hash=digest.hexdigest(),
     )
 
 
@@ -497,8 +504,8 @@ def _locate(spec: str | Path) -> Path:
         return path.resolve()
     path = SPECS_DIR / f"{text}.yaml"
     if not path.is_file():
-        raise SpecError(f"unknown spec {text!r}; allowed: "
-                        f"{', '.join(shipped_specs()) or '(none shipped)'}, or a path to a .yaml file")
+        shipped = ", ".join(shipped_specs()) or "(none shipped)"
+        raise SpecError(f"unknown spec {text!r}; allowed: {shipped}, or a path to a .yaml file")
     return path.resolve()
 
 
