@@ -142,16 +142,16 @@ def main(args) -> int:
         # --out is a cache of its own: a deployment points KERNELGEN_CACHE_DIR at it and sets
         # KERNELGEN_NO_COMPILE=1. The loose <name>.cubin copies are for inspection.
         child_env["KERNELGEN_CACHE_DIR"] = str(out)
-    start = time.perf_counter()
+    started = time.time()
     sys.stdout.flush()
     result = subprocess.run([ninja_executable(), "-C", str(build_dir), "-j", str(jobs), "-k", "0"],
                             env=child_env)
-    wall = time.perf_counter() - start
-    print(format_table(build_plan, build_dir, wall, jobs))
+    print(format_table(build_plan, build_dir, started, jobs))
     return 1 if result.returncode or build_plan.errors else 0
 
 
-def format_table(build_plan: Plan, build_dir: Path, wall: float, jobs: int) -> str:
+def format_table(build_plan: Plan, build_dir: Path, started: float, jobs: int) -> str:
+    """One row per edge, from the stamps; an edge whose stamp predates `started` was up to date."""
     headers = ("variant", "arch", "config", "seconds", "regs", "spills", "stack", "smem")
     rows, total, compiled, failed = [], 0.0, 0, 0
     for edge in build_plan.edges:
@@ -162,7 +162,7 @@ def format_table(build_plan: Plan, build_dir: Path, wall: float, jobs: int) -> s
             rows.append((f"{edge.spec_path.stem}/{edge.slug}", edge.arch, "-", "FAILED", "", "", "", ""))
             continue
         total += stamp["compile_seconds"]
-        compiled += not stamp["cached"]
+        compiled += stamp["written_at"] >= started and not stamp["cached"]
         dynamic = stamp["dynamic_smem"]
         smem = stamp["static_smem"] + (dynamic or 0)
         rows.append((f"{stamp['spec']}/{stamp['variant']}", stamp["arch"], stamp["config"],
@@ -170,7 +170,7 @@ def format_table(build_plan: Plan, build_dir: Path, wall: float, jobs: int) -> s
                      str(stamp["registers"]), f"{stamp['spill_stores']}/{stamp['spill_loads']}",
                      str(stamp["stack_bytes"]), f"{smem}" + ("" if dynamic is not None else "+?")))
     summary = (f"total: {len(rows)} kernels ({compiled} compiled now, {failed} failed), "
-               f"{total:.1f} s of NVRTC time, {wall:.1f} s wall with -j {jobs}")
+               f"{total:.1f} s of NVRTC time, {time.time() - started:.1f} s wall with -j {jobs}")
     return "\n".join([*_aligned([headers, *rows]), summary])
 
 
@@ -215,6 +215,7 @@ def build_one(spec_ref: str, arch: str, slug: str, stamp: Path, out: Path | None
         "compile_seconds": binary.compile_seconds, "registers": binary.registers,
         "spill_stores": binary.spill_stores, "spill_loads": binary.spill_loads,
         "stack_bytes": binary.stack_bytes, "static_smem": binary.static_smem, "dynamic_smem": dynamic,
+        "written_at": time.time(),
     }
     stamp.parent.mkdir(parents=True, exist_ok=True)
     temp = stamp.with_name(f".{stamp.name}.tmp")

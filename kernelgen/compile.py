@@ -11,6 +11,7 @@ import functools
 import logging
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -109,14 +110,17 @@ def cuda_include_dirs() -> list[Path]:
 def _pip_include_dirs() -> list[Path]:
     import cuda.pathfinder
 
+    find = getattr(cuda.pathfinder, "find_nvidia_header_directory", None)
     dirs = []
     for library in ("cudart", "cccl"):
         try:
-            found = cuda.pathfinder.find_nvidia_header_directory(library)
+            found = find(library) if find else None
         except RuntimeError:   # an older cuda-pathfinder that does not know the library
             found = None
         if found and Path(found) not in dirs:
             dirs.append(Path(found))
+    if not dirs:   # a cuda-pathfinder too old to look: the CUDA 13 wheels' layout
+        dirs = [p for p in (Path(s) / "nvidia" / "cu13" / "include" for s in sys.path) if p.is_dir()][:1]
     if len(dirs) == 1 and (dirs[0] / "cccl").is_dir():   # CUDA 13 wheels: nvidia/cu13/include/cccl
         dirs.append(dirs[0] / "cccl")
     if not dirs:
