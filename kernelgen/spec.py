@@ -221,8 +221,9 @@ class KernelSpec:
             if not self.violations(variant, config):
                 return config
         raise self._at("tune").error(
-            f"no config of the tune space fits {variant.slug} on {variant.arch}",
-            [c.text for c in self.constraints])
+            f"no config of the tune space fits {variant.slug} on {variant.arch} "
+            f"(max_smem {ARCHS[variant.arch].max_smem}); constraints: "
+            + "; ".join(c.text for c in self.constraints))
 
     def parse_config(self, values: Mapping) -> Config:
         return _config(self.space, values, self._at("config"))

@@ -133,16 +133,27 @@ def test_toy_defaults_follow_rule_order(write_spec):
     assert pick(width=64, fast=True) == {"block": 64, "warps": 8}   # first rule wins
     assert pick(width=32, fast=True) == {"block": 32, "warps": 8}   # first rule's `when` fails
     assert pick(width=32) == {"block": 16, "warps": 4}              # no rule: first valid config
-    # sm_86's smaller smem: the first rule's config needs 64*2*256*4 = 128 KiB, too much.
-    assert spec.default_config(spec.variant("sm_86", width=256, fast=True)).as_dict() == \
-        {"block": 32, "warps": 8}
+
+
+def test_toy_default_rule_that_does_not_fit_the_arch_is_skipped(write_spec):
+    def widen_first_rule(doc):
+        doc["tune"]["defaults"][0]["when"] = "width >= 64"
+    spec = load_spec(write_spec(widen_first_rule))
+
+    def pick(arch, **params):
+        return spec.default_config(spec.variant(arch, width=256, **params)).as_dict()
+
+    # The first rule's block=64 needs 128*256*4 = 128 KiB of smem: fits sm_80, not sm_86.
+    assert pick("sm_80", fast=True) == {"block": 64, "warps": 8}
+    assert pick("sm_86", fast=True) == {"block": 32, "warps": 8}   # the next rule
+    assert pick("sm_86", fast=False) == {"block": 16, "warps": 4}  # no rule: first valid config
 
 
 def test_no_config_fits(write_spec):
     spec = load_spec(write_spec(lambda d: d["tune"]["constraints"].append("block > 1000")))
     with pytest.raises(SpecError, match=r"toy.yaml: tune: no config of the tune space fits "
-                                        r"width64_flavorplain_fast0 on sm_80; "
-                                        r"allowed: .*block > 1000"):
+                                        r"width64_flavorplain_fast0 on sm_80 \(max_smem "
+                                        r"166912\); constraints: .*; block > 1000"):
         spec.default_config(spec.variant())
 
 
