@@ -97,7 +97,7 @@ def entry_path(key: str) -> Path:
     return env.settings().cache_dir / "binaries" / key[:2] / f"{key}.kgb"
 
 
-def compile_cached(source, arch: str):
+def compile_cached(source, arch: str) -> compiler.Binary:
     """Binary for a render.Source (uses .text, .name, .entry) from memory, disk, or NVRTC."""
     key = cache_key(source.text, arch)
     binary = _memo.get(key)
