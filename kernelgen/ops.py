@@ -42,7 +42,7 @@ def _check_inputs(q, k, v):
     heads_k = k.shape[2]
     if heads_k == 0 or heads % heads_k != 0:
         raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({heads_k})")
-    allowed = next(p.values for p in load_spec(FWD_SPEC).params if p.name == "head_dim")
+    allowed = _head_dims()
     if head_dim not in allowed:
         raise ValueError(f"head_dim {head_dim} is not supported; the {FWD_SPEC} spec allows {list(allowed)}")
     if not torch.cuda.is_available():
@@ -52,6 +52,16 @@ def _check_inputs(q, k, v):
             raise ValueError(f"{name} must be a CUDA tensor, got a tensor on {t.device}")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+
+
+_HEAD_DIMS: tuple | None = None
+
+
+def _head_dims() -> tuple:
+    global _HEAD_DIMS  # read once per process: a stat of the spec file per call costs microseconds
+    if _HEAD_DIMS is None:
+        _HEAD_DIMS = next(p.values for p in load_spec(FWD_SPEC).params if p.name == "head_dim")
+    return _HEAD_DIMS
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
