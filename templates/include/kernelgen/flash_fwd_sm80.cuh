@@ -69,6 +69,9 @@ struct TileLoader {
     template <int ROWS>
     __device__ __forceinline__ void load(u32 smem_tile, const typename C::Elem* gmem, i64 stride,
                                          int valid_rows) const {
+        // The pass stride goes through an opaque move: otherwise the compiler hoists one 64-bit
+        // address per chunk out of the main loop and keeps them all live (spills at 255 regs).
+        const i64 pass_stride = opaque(kRowsPerPass * stride);
         const auto* src = gmem + row * stride + col;
         #pragma unroll
         for (int pass = 0; pass < cdiv(ROWS, kRowsPerPass); ++pass) {
@@ -78,9 +81,9 @@ struct TileLoader {
                 #pragma unroll
                 for (int j = 0; j < kChunksPerRow / kThreadsPerRow; ++j)
                     cp_async_16(smem_tile + smem + (pass * kRowsPerPass * C::kPitch + j * kThreadsPerRow * 8) * 2,
-                                valid ? src + pass * kRowsPerPass * stride + j * kThreadsPerRow * 8 : gmem,
-                                valid);
+                                valid ? src + j * kThreadsPerRow * 8 : gmem, valid);
             }
+            src += pass_stride;
         }
     }
 };
@@ -90,7 +93,10 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdArgs<typename C::Elem>& 
     using Elem = typename C::Elem;
     extern __shared__ __align__(128) unsigned char smem[];
 
-    const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    // Causal: the last query tiles see the most keys; launch them first so that the short tiles
+    // fill the tail of the grid instead of the long ones.
+    const int m_block = C::kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int head = blockIdx.y, batch = blockIdx.z;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int kv_head = head / (a.heads / a.heads_k);
     const int row0 = m_block * C::kBlockM;               // first query row of this CTA

@@ -51,6 +51,13 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
     return static_cast<u32>(__cvta_generic_to_shared(p));
 }
 
+// A value the compiler cannot see through, so what is computed from it stays where it is written.
+__device__ __forceinline__ i64 opaque(i64 x) {
+    i64 y;
+    asm volatile("mov.b64 %0, %1;" : "=l"(y) : "l"(x));
+    return y;
+}
+
 __host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
 
 }  // namespace kg
