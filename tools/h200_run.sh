@@ -9,8 +9,9 @@ for step in $STEPS; do
   echo "=== $step"
   case $step in
     tests)   timeout 400 python3 -m pytest -q -m gpu -x tests ${PYTEST_ARGS} 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
-    memcheck) timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    memcheck) timeout 300 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
                python3 tools/ragged.py 2>&1 | tee "$OUT/memcheck.log" | tail -8 ;;
+    overhead) timeout 120 python3 tools/overhead.py 2>&1 | tee "$OUT/overhead.log" ;;
     sweep)   timeout 400 python3 tools/sweep.py ${SWEEP_ARGS} 2>&1 | tee "$OUT/sweep.log" ;;
     bench)   timeout 400 python3 -m kernelgen.cli bench --out "$OUT" ${BENCH_ARGS} 2>&1 | tee "$OUT/bench.log" ;;
   esac
