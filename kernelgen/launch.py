@@ -8,12 +8,14 @@ argument values into preallocated ctypes storage and calls cuLaunchKernel.
 from __future__ import annotations
 
 import ctypes
+import struct
 import threading
 from dataclasses import dataclass
 
 from kernelgen.compile import Binary
 
-_CTYPES = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float}
+# struct codes and sizes (= alignments) of the kernel parameter types.
+_FORMATS = {"ptr": ("Q", 8), "i64": ("q", 8), "i32": ("i", 4), "f32": ("f", 4)}
 _DEFAULT_SMEM_LIMIT = 48 * 1024  # beyond this a function must opt in (MAX_DYNAMIC_SHARED_SIZE_BYTES)
 
 
@@ -65,18 +67,26 @@ class Kernel:
     """One compiled binary, loadable on any device of its arch."""
 
     def __init__(self, binary: Binary, arg_types: tuple[str, ...]):
-        unknown = [t for t in arg_types if t not in _CTYPES]
+        unknown = [t for t in arg_types if t not in _FORMATS]
         if unknown:
-            raise ValueError(f"unknown kernel argument types {unknown}; allowed: {sorted(_CTYPES)}")
+            raise ValueError(f"unknown kernel argument types {unknown}; allowed: {sorted(_FORMATS)}")
         self.binary = binary
         self.arg_types = tuple(arg_types)
         self._loaded: dict[int, _Loaded] = {}
         self._lock = threading.Lock()
-        # Preallocated parameter storage: kernelParams is an array of pointers to these values.
-        self._values = [_CTYPES[t]() for t in self.arg_types]
-        self._pointers = (ctypes.c_void_p * max(1, len(self._values)))(
-            *[ctypes.addressof(v) for v in self._values]
-        )
+        # All argument values live in one buffer, each at its natural alignment, written by one
+        # struct.pack_into per launch; kernelParams is a fixed array of pointers into it.
+        fmt, offsets, offset = "<", [], 0
+        for t in self.arg_types:
+            code, size = _FORMATS[t]
+            pad = -offset % size
+            fmt += "x" * pad + code
+            offsets.append(offset + pad)
+            offset += pad + size
+        self._packer = struct.Struct(fmt)
+        self._buffer = ctypes.create_string_buffer(max(8, self._packer.size))
+        base = ctypes.addressof(self._buffer)
+        self._pointers = (ctypes.c_void_p * max(1, len(offsets)))(*[base + o for o in offsets])
         self._params_address = ctypes.addressof(self._pointers)
         self._streams: dict[int, object] = {}
 
@@ -116,14 +126,13 @@ class Kernel:
             _CURRENT.device = device
         if smem > loaded.smem_limit:
             self._raise_smem_limit(loaded, smem)
-        if len(args) != len(self._values):
-            raise ValueError(f"{self.binary.entry} takes {len(self._values)} arguments, got {len(args)}")
+        if len(args) != len(self.arg_types):
+            raise ValueError(f"{self.binary.entry} takes {len(self.arg_types)} arguments, got {len(args)}")
         handle = self._streams.get(stream)
         if handle is None:
             handle = self._streams[stream] = driver.CUstream(stream)
         with self._lock:  # the parameter storage is shared; the driver copies it at launch
-            for slot, value in zip(self._values, args):
-                slot.value = value
+            self._packer.pack_into(self._buffer, 0, *args)
             err, = driver.cuLaunchKernel(
                 loaded.function, grid[0], grid[1], grid[2], block[0], block[1], block[2],
                 smem, handle, self._params_address, 0,

@@ -45,13 +45,22 @@ def _check_inputs(q, k, v):
     allowed = _head_dims()
     if head_dim not in allowed:
         raise ValueError(f"head_dim {head_dim} is not supported; the {FWD_SPEC} spec allows {list(allowed)}")
-    if not torch.cuda.is_available():
+    if not _gpu_available():
         raise RuntimeError("kernelgen.flash_attn_func needs a CUDA GPU; none is available here")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not t.is_cuda:
             raise ValueError(f"{name} must be a CUDA tensor, got a tensor on {t.device}")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+
+
+_GPU = False
+
+
+def _gpu_available() -> bool:
+    global _GPU  # once true, stays true: torch.cuda.is_available() costs microseconds per call
+    _GPU = _GPU or torch.cuda.is_available()
+    return _GPU
 
 
 _HEAD_DIMS: tuple | None = None
@@ -66,7 +75,8 @@ def _head_dims() -> tuple:
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """cp.async moves 16-byte chunks: base address and row strides must be 16-byte aligned."""
-    if t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:3]):
+    s_b, s_s, s_h, _ = t.stride()
+    if (t.data_ptr() | s_b * 2 | s_s * 2 | s_h * 2) % 16 == 0:
         return t
     return t.contiguous()
 
