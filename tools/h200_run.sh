@@ -12,6 +12,7 @@ for step in $STEPS; do
     memcheck) timeout 300 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
                python3 tools/ragged.py 2>&1 | tee "$OUT/memcheck.log" | tail -8 ;;
     overhead) timeout 120 python3 tools/overhead.py 2>&1 | tee "$OUT/overhead.log" ;;
+    demo)    timeout 200 python3 -m kernelgen.demo 2>&1 | tee "$OUT/demo.log" ;;
     sweep)   timeout 400 python3 tools/sweep.py ${SWEEP_ARGS} 2>&1 | tee "$OUT/sweep.log" ;;
     bench)   timeout 400 python3 -m kernelgen.cli bench --out "$OUT" ${BENCH_ARGS} 2>&1 | tee "$OUT/bench.log" ;;
   esac
