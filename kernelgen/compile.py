@@ -146,6 +146,9 @@ def nvrtc_options(arch: str) -> list[str]:
         "--ptxas-options=--warn-on-spills",
         "-lineinfo",
         "-DKERNELGEN=1",
+        # NVRTC >= 12.9 keeps its own cache in the driver's compute cache (only where a driver is
+        # installed); a hit there skips ptxas, so the log has no resource report. We cache anyway.
+        *(["--no-cache"] if nvrtc_version() >= (12, 9) else []),
         *(f"-I{d}" for d in include_dirs()),
     ]
 

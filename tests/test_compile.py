@@ -72,6 +72,8 @@ def test_options_follow_the_contract():
     for expected in ("-std=c++17", "-default-device", "--ptxas-options=--verbose",
                      "--ptxas-options=--warn-on-spills", "-lineinfo", "-DKERNELGEN=1"):
         assert expected in options
+    # Without it a hit in NVRTC's own cache (GPU machines only) returns a log with no resources.
+    assert ("--no-cache" in options) == (compiler.nvrtc_version() >= (12, 9))
     includes = [o[2:] for o in options if o.startswith("-I")]
     assert includes[0] == str(compiler.TEMPLATE_INCLUDE_DIR)
     assert any(path.endswith("include") for path in includes[1:])
@@ -97,6 +99,12 @@ def test_syntax_error_raises_with_log_and_source(cache_dir):
     assert "-arch=sm_80" in error.options
     shown = str(error)
     assert "broken_kernel" in shown and str(error.source_path) in shown and "undeclared_name" in shown
+
+
+def test_recompiling_reports_resources_again(cache_dir):
+    first = compiler.compile_source(MMA_KERNEL, "again", "mma_probe", "sm_80")
+    second = compiler.compile_source(MMA_KERNEL, "again", "mma_probe", "sm_80")
+    assert second.registers == first.registers > 0
 
 
 def test_wrong_entry_name_is_an_error(cache_dir):
