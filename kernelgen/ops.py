@@ -6,6 +6,7 @@ the input, and launches on torch's current stream without host synchronization.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -95,23 +96,48 @@ def _forward_kernel(head_dim: int, dtype: str, causal: bool, device: int) -> api
     return kernel
 
 
-def flash_attn_forward(q, k, v, causal: bool, softmax_scale: float):
-    """Launch the forward kernel. Inputs must already be validated. Returns (out, lse)."""
+@dataclass(frozen=True)
+class _Plan:
+    """Everything about a call that depends only on shapes, strides, dtypes and devices."""
+    kernel: api.BoundKernel
+    device: int
+    grid: tuple
+    scalars: tuple  # the kernel's arguments after the five pointers
+    out_shape: tuple
+    lse_shape: tuple
+    dtype: torch.dtype
+
+
+_PLANS: dict[tuple, _Plan] = {}
+_MAX_PLANS = 4096
+
+
+def _plan(q, k, v, causal: bool, softmax_scale: float) -> _Plan:
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
-    q, k, v = _aligned(q), _aligned(k), _aligned(v)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out, lse
     device = q.device.index
     kernel = _forward_kernel(head_dim, _DTYPES[q.dtype], causal, device)
     block_m = kernel.config["block_m"]
-    values = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-              *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-              batch, heads, heads_k, seqlen_q, seqlen_k, softmax_scale)
-    grid = ((seqlen_q + block_m - 1) // block_m, heads, batch)
-    kernel.launch(values, grid, device, api._current_stream(device))
+    out_strides = (seqlen_q * heads * head_dim, heads * head_dim, head_dim)  # torch.empty's layout
+    return _Plan(kernel, device, ((seqlen_q + block_m - 1) // block_m, heads, batch),
+                 (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out_strides,
+                  batch, heads, heads_k, seqlen_q, seqlen_k, softmax_scale),
+                 tuple(q.shape), (batch, heads, seqlen_q), q.dtype)
+
+
+def flash_attn_forward(q, k, v, causal: bool, softmax_scale: float):
+    """Launch the forward kernel. Inputs must already be validated. Returns (out, lse)."""
+    q, k, v = _aligned(q), _aligned(k), _aligned(v)
+    return _launch(_plan(q, k, v, causal, softmax_scale), q, k, v)
+
+
+def _launch(plan: _Plan, q, k, v):
+    out = torch.empty(plan.out_shape, dtype=plan.dtype, device=q.device)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    plan.kernel.launch((q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                        *plan.scalars), plan.grid, plan.device, api._current_stream(plan.device))
     return out, lse
 
 
@@ -121,6 +147,18 @@ def flash_attn_func(q, k, v, causal: bool = False, softmax_scale: float | None =
     (batch, seqlen_k, heads_k, head_dim) with heads_k dividing heads (GQA/MQA). Causal masks are
     aligned bottom-right. Returns out (like q) and, with return_lse, lse (batch, heads, seqlen_q)
     in float32 (natural log)."""
+    # Fast path: a call whose shapes, strides, dtypes and devices were validated before reuses
+    # that plan; only the pointers (alignment) and autograd state are checked again.
+    try:
+        signature = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
+                     k.dtype, v.dtype, q.device, k.device, v.device, causal, softmax_scale)
+        plan = _PLANS.get(signature)
+    except (AttributeError, TypeError):  # not tensors, or an unhashable scale: the full checks say why
+        signature = plan = None
+    if (plan is not None and not (q.requires_grad or k.requires_grad or v.requires_grad)
+            and (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0):
+        out, lse = _launch(plan, q, k, v)
+        return (out, lse) if return_lse else out
     _check_inputs(q, k, v)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
@@ -131,5 +169,12 @@ def flash_attn_func(q, k, v, causal: bool = False, softmax_scale: float | None =
             "kernelgen.flash_attn_func has no backward pass yet: call it on tensors that do not "
             "require grad, or under torch.no_grad()"
         )
-    out, lse = flash_attn_forward(q, k, v, bool(causal), float(softmax_scale))
+    causal, scale = bool(causal), float(softmax_scale)
+    aligned = _aligned(q), _aligned(k), _aligned(v)
+    plan = _plan(*aligned, causal, scale)
+    if signature is not None and all(a is b for a, b in zip(aligned, (q, k, v))):
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[signature] = plan
+    out, lse = _launch(plan, *aligned)
     return (out, lse) if return_lse else out
