@@ -158,8 +158,6 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdArgs<typename C::Elem>& 
     }
     const float scale_log2 = a.softmax_scale * kLog2e;
     // Rows of this lane: row0 + warp_row + mt*16 + lane/4 + 8h. Causal limit for a row r: r + shift.
-    const int lane_row = row0 + warp_row + lane / 4;
-    const int causal_shift = a.seqlen_k - a.seqlen_q;
 
     for (int nb = 0; nb < n_blocks; ++nb) {
         cp_async_wait<C::kStages - 2>();
@@ -208,20 +206,26 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdArgs<typename C::Elem>& 
 
         // Mask keys past seqlen_k and, for causal, keys past each row's diagonal. Only the
         // tiles that straddle a boundary pay for it (a CTA-uniform branch).
+        // Both tests are against one per-lane number, so the unrolled compares use immediates
+        // and the masking state costs two registers only inside this branch.
         const int col0 = nb * C::kBlockN;
         bool need_mask = col0 + C::kBlockN > a.seqlen_k;
-        if constexpr (C::kCausal) need_mask |= col0 + C::kBlockN - 1 > row0 + causal_shift;
+        if constexpr (C::kCausal)
+            need_mask |= col0 + C::kBlockN - 1 > row0 + a.seqlen_k - a.seqlen_q;
         if (need_mask) {
+            const int lane_col = col0 + 2 * (lane % 4);
+            const int tail = a.seqlen_k - lane_col;  // element (nt, e) is past the end if >= tail
+            // col - row - (sk - sq) for element (mt, nt, e) is diag + nt*8 + (e&1) - mt*16 - (e/2)*8
+            const int diag = lane_col - (row0 + warp_row + lane / 4) - (a.seqlen_k - a.seqlen_q);
             #pragma unroll
             for (int mt = 0; mt < C::kMTiles; ++mt)
                 #pragma unroll
                 for (int nt = 0; nt < C::kSTiles; ++nt)
                     #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const int col = col0 + nt * 8 + 2 * (lane % 4) + (e & 1);
-                        const int row = lane_row + mt * 16 + (e / 2) * 8;
-                        bool masked = col >= a.seqlen_k;
-                        if constexpr (C::kCausal) masked |= col > row + causal_shift;
+                        bool masked = nt * 8 + (e & 1) >= tail;
+                        if constexpr (C::kCausal)
+                            masked |= diag + nt * 8 + (e & 1) - mt * 16 - (e / 2) * 8 > 0;
                         if (masked) acc_s[mt][nt][e] = neg_inf();
                     }
         }
