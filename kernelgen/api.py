@@ -99,6 +99,17 @@ class BoundKernel:
         self.kernel.launch(grid, self.block, self.smem, values, stream, device)
 
 
+def refuse_during_capture(what: str) -> None:
+    """Compiling, loading modules and tuning must not happen while a CUDA graph is captured."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"kernelgen: cannot {what} during CUDA-graph capture; run the same call once before "
+            "capturing (warm-up) so that everything is compiled and loaded"
+        )
+
+
 _MEMO: dict[tuple, BoundKernel] = {}
 _MEMO_LOCK = threading.Lock()
 
@@ -122,6 +133,7 @@ def load(spec, *, arch: str | None = None, config=None, **params) -> BoundKernel
     key = (spec.content_hash, variant, config)
     bound = _MEMO.get(key)
     if bound is None:
+        refuse_during_capture(f"compile or load {spec.name} {variant.slug}")
         with _MEMO_LOCK:
             bound = _MEMO.get(key)
             if bound is None:

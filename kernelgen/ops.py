@@ -19,6 +19,18 @@ _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 def _check_inputs(q, k, v):
     # Structure first (testable anywhere), then the GPU, then devices.
+    _check_structure(q, k, v)
+    if not _gpu_available():
+        raise RuntimeError("kernelgen.flash_attn_func needs a CUDA GPU; none is available here")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not t.is_cuda:
+            raise ValueError(f"{name} must be a CUDA tensor, got a tensor on {t.device}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+
+
+def _check_structure(q, k, v):
+    """Types, ranks, dtypes, shapes, strides: everything a fake tensor can answer too."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -46,13 +58,6 @@ def _check_inputs(q, k, v):
     allowed = _head_dims()
     if head_dim not in allowed:
         raise ValueError(f"head_dim {head_dim} is not supported; the {FWD_SPEC} spec allows {list(allowed)}")
-    if not _gpu_available():
-        raise RuntimeError("kernelgen.flash_attn_func needs a CUDA GPU; none is available here")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not t.is_cuda:
-            raise ValueError(f"{name} must be a CUDA tensor, got a tensor on {t.device}")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
 
 
 _GPU = False
@@ -93,6 +98,8 @@ def _forward_kernel(head_dim: int, dtype: str, causal: bool, device: int) -> api
         kernel = api.load(spec, arch=api.pick_arch(spec, device), head_dim=head_dim, dtype=dtype,
                           causal=causal)
         _KERNELS[key] = kernel
+    if not kernel.kernel.loaded_on(device):
+        api.refuse_during_capture(f"load {kernel.source.name} on device {device}")
     return kernel
 
 
@@ -141,35 +148,45 @@ def _launch(plan: _Plan, q, k, v):
     return out, lse
 
 
+def _scale(q, softmax_scale) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(q.shape[-1])
+    if not (isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
+            and math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
 def flash_attn_func(q, k, v, causal: bool = False, softmax_scale: float | None = None,
-                    return_lse: bool = False):
+                    return_lse: bool = False, deterministic: bool = False):
     """Exact attention, FlashAttention layout: q (batch, seqlen_q, heads, head_dim), k and v
     (batch, seqlen_k, heads_k, head_dim) with heads_k dividing heads (GQA/MQA). Causal masks are
     aligned bottom-right. Returns out (like q) and, with return_lse, lse (batch, heads, seqlen_q)
-    in float32 (natural log)."""
+    in float32 (natural log). Differentiable in q, k, v (through `out`); `deterministic=True`
+    makes the backward bitwise reproducible. Traceable by torch.compile (a torch.library op)."""
+    needs_op = torch.compiler.is_compiling() or (
+        torch.is_grad_enabled() and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+        and isinstance(v, torch.Tensor) and (q.requires_grad or k.requires_grad or v.requires_grad))
+    if needs_op:
+        from kernelgen import library  # noqa: F401  (registers torch.ops.kernelgen)
+
+        _check_structure(q, k, v)
+        out, lse = torch.ops.kernelgen.flash_attn_fwd(q, k, v, bool(causal), _scale(q, softmax_scale),
+                                                      bool(deterministic))
+        return (out, lse) if return_lse else out
     # Fast path: a call whose shapes, strides, dtypes and devices were validated before reuses
-    # that plan; only the pointers (alignment) and autograd state are checked again.
+    # that plan; only the pointers (alignment) are checked again.
     try:
         signature = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
                      k.dtype, v.dtype, q.device, k.device, v.device, causal, softmax_scale)
         plan = _PLANS.get(signature)
     except (AttributeError, TypeError):  # not tensors, or an unhashable scale: the full checks say why
         signature = plan = None
-    if (plan is not None and not (q.requires_grad or k.requires_grad or v.requires_grad)
-            and (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0):
+    if plan is not None and (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0:
         out, lse = _launch(plan, q, k, v)
         return (out, lse) if return_lse else out
     _check_inputs(q, k, v)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    elif not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale!r}")
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise NotImplementedError(
-            "kernelgen.flash_attn_func has no backward pass yet: call it on tensors that do not "
-            "require grad, or under torch.no_grad()"
-        )
-    causal, scale = bool(causal), float(softmax_scale)
+    causal, scale = bool(causal), _scale(q, softmax_scale)
     aligned = _aligned(q), _aligned(k), _aligned(v)
     plan = _plan(*aligned, causal, scale)
     if signature is not None and all(a is b for a, b in zip(aligned, (q, k, v))):

@@ -93,16 +93,6 @@ def test_softmax_scale_and_large_values():
     check(q, k, v, True, softmax_scale=1.0 / math.sqrt(128) / 2)
 
 
-def test_gradients_not_supported_yet():
-    import kernelgen
-
-    q = make(1, 16, 2, 64, torch.float16).requires_grad_()
-    with pytest.raises(NotImplementedError, match="backward"):
-        kernelgen.flash_attn_func(q, q.detach(), q.detach())
-    with torch.no_grad():
-        kernelgen.flash_attn_func(q, q.detach(), q.detach())
-
-
 def test_repeated_call_compiles_and_loads_nothing(monkeypatch):
     import kernelgen
     from kernelgen import cache, launch
