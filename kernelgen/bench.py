@@ -89,29 +89,49 @@ def python_overhead_us(calls: int = 2000, repeats: int = 7) -> float:
     return best / calls * 1e6
 
 
-def run_grid(head_dims, seqlens, causals, dtype=torch.bfloat16, tokens=16384, hidden=2048):
+def _timed(fn, q, k, v, causal, backward: bool) -> float:
+    """Forward milliseconds, or backward milliseconds timed as (forward + backward) - forward."""
+    forward = time_ms(lambda: fn(q, k, v, causal))
+    if not backward:
+        return forward
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    dout = torch.randn_like(q)
+
+    def step():
+        out = fn(q, k, v, causal)
+        if out.dim() == 4 and out.shape != dout.shape:  # SDPA's (batch, heads, seqlen, dim) view
+            out = out.transpose(1, 2)
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    return time_ms(step) - forward
+
+
+def run_grid(head_dims, seqlens, causals, passes=("fwd",), dtype=torch.bfloat16, tokens=16384,
+             hidden=2048):
     results = []
-    for head_dim in head_dims:
-        heads = hidden // head_dim
-        for causal in causals:
-            for seqlen in seqlens:
-                batch = max(1, tokens // seqlen)
-                row = {"head_dim": head_dim, "causal": causal, "seqlen": seqlen, "batch": batch,
-                       "heads": heads, "tflops": {}, "ms": {}}
-                flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
-                for name, fn in systems().items():
-                    q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=dtype)
-                               for _ in range(3))
-                    try:
-                        ms = time_ms(lambda: fn(q, k, v, causal))
-                    except Exception as exc:  # a peer without a kernel for this shape
-                        row.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"[:200]
-                        continue
-                    row["ms"][name] = ms
-                    row["tflops"][name] = flops / ms / 1e9
-                    del q, k, v
-                results.append(row)
-                print(_format_row(row), flush=True)
+    for direction in passes:
+        for head_dim in head_dims:
+            heads = hidden // head_dim
+            for causal in causals:
+                for seqlen in seqlens:
+                    batch = max(1, tokens // seqlen)
+                    row = {"pass": direction, "head_dim": head_dim, "causal": causal,
+                           "seqlen": seqlen, "batch": batch, "heads": heads, "tflops": {}, "ms": {}}
+                    flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
+                    flops *= 2.5 if direction == "bwd" else 1.0
+                    for name, fn in systems().items():
+                        q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda",
+                                               dtype=dtype) for _ in range(3))
+                        try:
+                            ms = _timed(fn, q, k, v, causal, backward=direction == "bwd")
+                        except Exception as exc:  # a peer without a kernel for this shape
+                            row.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"[:200]
+                            continue
+                        row["ms"][name] = ms
+                        row["tflops"][name] = flops / ms / 1e9
+                        del q, k, v
+                    results.append(row)
+                    print(_format_row(row), flush=True)
     return results
 
 
@@ -123,12 +143,12 @@ def _format_row(row) -> str:
     cells = [f"{t[c]:8.1f}" if c in t else f"{'-':>8}" for c in COLUMNS]
     ours = t.get("kernelgen")
     ratios = [f"{ours / t[c]:6.2f}x" if ours and c in t else f"{'-':>7}" for c in COLUMNS[1:]]
-    return (f"hd{row['head_dim']:<4} {'causal' if row['causal'] else 'full':7} {row['seqlen']:>6} "
+    return (f"{row['pass']:4} hd{row['head_dim']:<4} {'causal' if row['causal'] else 'full':7} {row['seqlen']:>6} "
             + " ".join(cells) + "  " + " ".join(ratios))
 
 
 def header() -> str:
-    return (f"{'hd':5} {'mask':7} {'seqlen':>6} " + " ".join(f"{c[:8]:>8}" for c in COLUMNS)
+    return (f"{'pass':4} {'hd':5} {'mask':7} {'seqlen':>6} " + " ".join(f"{c[:8]:>8}" for c in COLUMNS)
             + "  " + " ".join(f"{'/' + c[5:]:>7}" for c in COLUMNS[1:]))
 
 
@@ -137,6 +157,8 @@ def main(args=None) -> int:
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--causal", choices=["both", "true", "false"], default="both")
+    parser.add_argument("--pass", dest="passes", choices=["fwd", "bwd", "both"], default="fwd",
+                        help="bwd: backward TFLOP/s (2.5x forward FLOPs), timed as fwd+bwd minus fwd")
     parser.add_argument("--out", default="bench-results", help="directory for the JSON results")
     rest = getattr(args, "rest", None) if isinstance(args, argparse.Namespace) else args
     opts = parser.parse_args(rest)
@@ -149,7 +171,8 @@ def main(args=None) -> int:
     overhead = python_overhead_us()
     print(f"python overhead per flash_attn_func call: {overhead:.1f} us")
     print(header())
-    results = run_grid(opts.head_dims, opts.seqlens, causals)
+    passes = ("fwd", "bwd") if opts.passes == "both" else (opts.passes,)
+    results = run_grid(opts.head_dims, opts.seqlens, causals, passes)
     out_dir = Path(opts.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "bench.json"
