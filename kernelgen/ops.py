@@ -124,9 +124,10 @@ def _plan(q, k, v, causal: bool, softmax_scale: float) -> _Plan:
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     device = q.device.index
     kernel = _forward_kernel(head_dim, _DTYPES[q.dtype], causal, device)
-    block_m = kernel.config["block_m"]
     out_strides = (seqlen_q * heads * head_dim, heads * head_dim, head_dim)  # torch.empty's layout
-    return _Plan(kernel, device, ((seqlen_q + block_m - 1) // block_m, heads, batch),
+    grid = kernel.grid({"seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "heads": heads,
+                        "heads_k": heads_k, "batch": batch})
+    return _Plan(kernel, device, grid,
                  (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out_strides,
                   batch, heads, heads_k, seqlen_q, seqlen_k, softmax_scale),
                  tuple(q.shape), (batch, heads, seqlen_q), q.dtype)

@@ -21,7 +21,7 @@ def test_shipped_spec_loads(fwd):
     assert fwd.archs == ("sm_80", "sm_86", "sm_89", "sm_90")
     assert [p.name for p in fwd.params] == ["head_dim", "dtype", "causal"]
     assert fwd.params[2].values == (False, True) and fwd.params[2].default is False
-    assert [name for name, _ in fwd.space] == ["block_m", "block_n", "warps", "stages"]
+    assert [name for name, _ in fwd.space] == ["block_m", "block_n", "warps", "stages", "grid_order"]
     assert fwd.template.name == "flash_attn_fwd.cu.j2" and fwd.template.parent.name == "templates"
     assert len(fwd.content_hash) == 64
     arg = {a.name: a for a in fwd.args}
@@ -81,10 +81,10 @@ def test_slugs(fwd):
     variant = fwd.variant(head_dim=128, dtype="bf16", causal=False)
     assert variant.slug == "head_dim128_dtypebf16_causal0"
     assert variant["dtype"] == "bf16" and variant.as_dict()["causal"] is False
-    config = fwd.parse_config({"stages": 2, "warps": 4, "block_n": 64, "block_m": 128})
-    assert config.slug == "block_m128_block_n64_warps4_stages2"
+    config = fwd.parse_config({"stages": 2, "warps": 4, "block_n": 64, "block_m": 128, "grid_order": 0})
+    assert config.slug == "block_m128_block_n64_warps4_stages2_grid_order0"
     assert config["warps"] == 4 and config == Config((("block_m", 128), ("block_n", 64),
-                                                      ("warps", 4), ("stages", 2)))
+                                                      ("warps", 4), ("stages", 2), ("grid_order", 0)))
 
 
 def test_variant_defaults_and_arch(fwd):

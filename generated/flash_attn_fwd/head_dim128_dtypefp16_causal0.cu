@@ -1,17 +1,18 @@
 // Generated from specs/flash_attn_fwd.yaml by `kernelgen render --generated`; do not edit.
-// flash_attn_fwd__head_dim128_dtypefp16_causal0__sm_80__block_m128_block_n48_warps4_stages2
+// flash_attn_fwd__head_dim128_dtypefp16_causal0__sm_80__block_m128_block_n48_warps4_stages2_grid_order0
 // flash_attn_fwd: exact attention forward, FlashAttention-2 on mma.sync (see kernelgen/flash_fwd_sm80.cuh).
 //   O[b, i, h, :] = sum_j softmax_j(scale * Q[b, i, h, :] . K[b, j, h / (heads / heads_k), :]) V[b, j, ...]
 //   LSE[b, h, i]  = logsumexp_j(scale * Q[b, i, h, :] . K[b, j, ...])      (natural log, fp32)
 //   causal: query i sees keys j <= i + seqlen_k - seqlen_q (bottom-right aligned).
 // Variant: head_dim=128 dtype=fp16 causal=false arch=sm_80
-// Config:  block_m=128 block_n=48 warps=4 stages=2
+// Config:  block_m=128 block_n=48 warps=4 stages=2 grid_order=0
 #include "kernelgen/flash_fwd_sm80.cuh"
 
 using elem_t = kg::half_t;
 using Config = kg::FwdConfig<elem_t, /*HEAD_DIM=*/128, /*BLOCK_M=*/128,
                              /*BLOCK_N=*/48, /*WARPS=*/4,
-                             /*STAGES=*/2, /*CAUSAL=*/false>;
+                             /*STAGES=*/2, /*CAUSAL=*/false,
+                             /*GRID_ORDER=*/0>;
 static_assert(Config::kSmemBytes == 87040, "spec's smem formula disagrees with the kernel");
 
 extern "C" __global__ void __launch_bounds__(Config::kThreads)

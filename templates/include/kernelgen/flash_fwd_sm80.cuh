@@ -26,12 +26,17 @@ struct FwdArgs {
     float softmax_scale;
 };
 
-template <class Elem_, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL>
+// GRID_ORDER 0: grid (m_blocks, heads, batch), the query tiles of one head side by side (K/V reuse
+// in L2). 1: grid (heads, batch, m_blocks), all heads' tiles of one query block together: with the
+// m order reversed that is longest-first over the whole grid, which balances causal work.
+template <class Elem_, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool CAUSAL,
+          int GRID_ORDER = 0>
 struct FwdConfig {
     using Elem = Elem_;
     static constexpr int kHeadDim = HEAD_DIM, kBlockM = BLOCK_M, kBlockN = BLOCK_N;
     static constexpr int kWarps = WARPS, kStages = STAGES, kThreads = WARPS * 32;
     static constexpr bool kCausal = CAUSAL;
+    static constexpr int kGridOrder = GRID_ORDER;
     static constexpr int kRowsPerWarp = BLOCK_M / WARPS;
     static constexpr int kMTiles = kRowsPerWarp / 16;   // m16 tiles per warp
     static constexpr int kSTiles = BLOCK_N / 8;          // n8 tiles of S per row block
@@ -95,8 +100,11 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdArgs<typename C::Elem>& 
 
     // Causal: the last query tiles see the most keys; launch them first so that the short tiles
     // fill the tail of the grid instead of the long ones.
-    const int m_block = C::kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int head = blockIdx.y, batch = blockIdx.z;
+    const int m_tile = C::kGridOrder == 0 ? blockIdx.x : blockIdx.z;
+    const int m_tiles = C::kGridOrder == 0 ? gridDim.x : gridDim.z;
+    const int m_block = C::kCausal ? m_tiles - 1 - m_tile : m_tile;
+    const int head = C::kGridOrder == 0 ? blockIdx.y : blockIdx.x;
+    const int batch = C::kGridOrder == 0 ? blockIdx.z : blockIdx.y;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int kv_head = head / (a.heads / a.heads_k);
     const int row0 = m_block * C::kBlockM;               // first query row of this CTA
