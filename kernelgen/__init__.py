@@ -19,10 +19,15 @@ _LAZY = {
     "CompileError": "kernelgen.compile",
 }
 
-__all__ = ["__version__", *_LAZY]
+# Submodules that are also the public name: `kernelgen.tune(...)` calls the (callable) module.
+_MODULES = {"tune": "kernelgen.tune"}
+
+__all__ = ["__version__", *_LAZY, *_MODULES]
 
 
 def __getattr__(name: str):
+    if name in _MODULES:
+        return importlib.import_module(_MODULES[name])
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'kernelgen' has no attribute {name!r}")

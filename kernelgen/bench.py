@@ -19,6 +19,19 @@ import torch
 
 def time_ms(fn, warmup_ms: float = 30.0, rep_ms: float = 150.0) -> float:
     """Median milliseconds of fn() by CUDA events, each repeat after an L2 flush."""
+    return statistics.median(time_samples(fn, warmup_ms, rep_ms, min_repeats=5, rounds=1))
+
+
+def time_samples(fn, warmup_ms: float = 25.0, rep_ms: float = 50.0, min_repeats: int = 10,
+                 max_repeats: int = 1000, rounds: int = 3, tolerance: float = 0.01) -> list[float]:
+    """Milliseconds of every timed repeat of fn() by CUDA events, each after an L2 flush.
+
+    A round is about rep_ms of repeats; another round follows until two consecutive rounds agree
+    on the median within `tolerance` (at most `rounds`), so a clock ramp or a noisy neighbour
+    shows up as disagreement instead of a confident wrong number. Within a round the repeats are
+    queued back to back and read after one synchronize, as Triton's do_bench does: the flush
+    before each repeat keeps the GPU busy while the host queues the next launch.
+    """
     flush = torch.empty(64 * 1024 * 1024, dtype=torch.int32, device="cuda")  # 256 MB > L2
     fn()
     torch.cuda.synchronize()
@@ -31,15 +44,27 @@ def time_ms(fn, warmup_ms: float = 30.0, rep_ms: float = 150.0) -> float:
     estimate = max(start.elapsed_time(end) / 3, 1e-3)
     for _ in range(max(1, int(warmup_ms / estimate))):
         fn()
-    times = []
-    for _ in range(max(5, min(1000, int(rep_ms / estimate)))):
+    repeats = max(min_repeats, min(max_repeats, int(rep_ms / estimate)))
+    samples: list[float] = []
+    for _ in range(rounds):
+        batch = _timed_round(fn, flush, repeats)
+        previous = statistics.median(samples) if samples else None
+        samples += batch
+        if previous is not None and abs(statistics.median(batch) - previous) <= tolerance * previous:
+            break
+    return samples
+
+
+def _timed_round(fn, flush, repeats: int) -> list[float]:
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+    for start, end in zip(starts, ends):
         flush.zero_()
         start.record()
         fn()
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in zip(starts, ends)]
 
 
 def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal) -> float:

@@ -3,6 +3,7 @@
 Layout under settings().cache_dir:
     binaries/<key[:2]>/<key>.kgb     MAGIC | sha256(payload) | payload
     binaries/<key[:2]>/<key>.lock    per-key flock, so concurrent processes compile a key once
+    tuning.sqlite3                   the tuning DB (tunedb.py); export/import below carry both
 payload = u32 length of the JSON metadata | metadata (Binary fields but the cubin, plus the key) | cubin
 
 The key is a content hash; the readable kernel name is stored in the metadata and used in logs only.
@@ -15,12 +16,17 @@ import fcntl
 import functools
 import hashlib
 import importlib.metadata
+import io
 import json
 import logging
 import os
+import re
 import shutil
 import struct
+import sys
+import tarfile
 import tempfile
+import time
 from pathlib import Path
 
 from kernelgen import compile as compiler   # `compile` would shadow the builtin
@@ -108,7 +114,7 @@ def compile_cached(source, arch: str) -> compiler.Binary:
     binary = None if settings.always_compile else _read_or_warn(path, key)
     if binary is None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with _locked(path.with_suffix(".lock")):
+        with file_lock(path.with_suffix(".lock")):
             # Another process may have compiled this key while we waited for the lock.
             if not settings.always_compile and path.exists():
                 binary = _read_or_warn(path, key)
@@ -126,7 +132,7 @@ def clear_memo() -> None:
 
 
 @contextlib.contextmanager
-def _locked(lock_path: Path):
+def file_lock(lock_path: Path):
     # The lock file stays: deleting it would let a third process lock a fresh inode meanwhile.
     with open(lock_path, "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -200,14 +206,162 @@ def clear_cache() -> CacheInfo:
     return info
 
 
+# ---- moving a cache to another machine ----------------------------------------------------------
+# An archive is a tar.gz of manifest.json, tuning.json (every run of the tuning DB, see
+# TuneDB.dump) and binaries/<key[:2]>/<key>.kgb. Import never extracts paths: it reads each member
+# named like an entry, verifies it with read_entry under the key its name gives, and only then
+# moves it into place; tuning runs are merged by their uid, so importing twice adds nothing.
+
+ARCHIVE_FORMAT = 1
+_MEMBER_RE = re.compile(r"binaries/[0-9a-f]{2}/([0-9a-f]{64})\.kgb")
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportReport:
+    binaries: int    # new entries installed
+    present: int     # already here
+    damaged: int     # failed verification: skipped
+    runs: int        # new tuning runs
+    notes: tuple[str, ...]
+
+
+def _toolchain_note() -> dict:
+    return {"kernelgen": _kernelgen_version(), "nvrtc": "%d.%d" % compiler.nvrtc_version()}
+
+
+def _kernelgen_version() -> str:
+    import kernelgen
+
+    return kernelgen.__version__
+
+
+def export_cache(path: Path) -> tuple[int, int]:
+    """Write binaries and tuning runs to a tar.gz; returns (binaries, runs)."""
+    from kernelgen import tunedb
+
+    root = env.settings().cache_dir
+    entries = sorted((root / "binaries").glob("*/*.kgb"))
+    runs = tunedb.TuneDB().dump() if tunedb.db_path().exists() else []
+    manifest = {"format": ARCHIVE_FORMAT, **_toolchain_note(), "binaries": len(entries),
+                "runs": len(runs)}
+    with tarfile.open(path, "w:gz") as archive:
+        _add_bytes(archive, "manifest.json", json.dumps(manifest, indent=1).encode())
+        _add_bytes(archive, "tuning.json", json.dumps(runs).encode())
+        for entry in entries:
+            archive.add(entry, arcname=entry.relative_to(root).as_posix(), recursive=False)
+    return len(entries), len(runs)
+
+
+def _add_bytes(archive: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(data), int(time.time()), 0o600
+    archive.addfile(info, io.BytesIO(data))
+
+
+def import_cache(path: Path) -> ImportReport:
+    from kernelgen import tunedb
+
+    installed = present = damaged = 0
+    notes = []
+    with tarfile.open(path, "r:*") as archive:
+        manifest = _json_member(archive, "manifest.json", path)
+        if manifest.get("format") != ARCHIVE_FORMAT:
+            raise ValueError(f"{path}: archive format {manifest.get('format')!r}, expected {ARCHIVE_FORMAT}")
+        here = _toolchain_note()
+        for name, value in here.items():
+            if manifest.get(name) != value:
+                notes.append(f"exported with {name} {manifest.get(name)}, this machine has {value}: "
+                             "its binaries and tuned configs will not match here")
+        runs = _json_member(archive, "tuning.json", path)
+        for member in archive:
+            match = _MEMBER_RE.fullmatch(member.name)
+            if not match:
+                if member.name not in ("manifest.json", "tuning.json"):
+                    notes.append(f"ignored unexpected member {member.name!r}")
+                continue
+            outcome = _install(match.group(1), archive.extractfile(member).read() if member.isfile() else b"")
+            installed += outcome == "installed"
+            present += outcome == "present"
+            damaged += outcome == "damaged"
+    added = tunedb.TuneDB().merge(runs) if runs else 0
+    if damaged:
+        notes.append(f"{damaged} damaged binaries skipped")
+    return ImportReport(installed, present, damaged, added, tuple(notes))
+
+
+def _json_member(archive: tarfile.TarFile, name: str, path: Path):
+    try:
+        return json.loads(archive.extractfile(name).read())
+    except (KeyError, AttributeError, ValueError) as error:
+        raise ValueError(f"{path}: not a kernelgen cache archive ({name}: {error})") from None
+
+
+def _install(key: str, data: bytes) -> str:
+    target = entry_path(key)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{key[:16]}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as out:
+            out.write(data)
+        try:
+            read_entry(Path(temp), key)
+        except DamagedEntry as error:
+            log.warning("archive entry %s is damaged (%s): skipped", key, error)
+            return "damaged"
+        with file_lock(target.with_suffix(".lock")):
+            if target.exists() and _read_or_warn(target, key) is not None:
+                return "present"
+            os.replace(temp, target)
+        return "installed"
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+
+
+def _describe_db() -> str:
+    from kernelgen import tunedb
+
+    info = tunedb.TuneDB().info()
+    return f"tuning DB {info.path}: {info.runs} runs, {info.trials} trials"
+
+
 def main(argv: list[str]) -> int:
-    """`kernelgen cache [info | clear]`."""
+    """`kernelgen cache [info | clear [--tuning] | export FILE | import FILE]`."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="kernelgen cache", description="the compiled-kernel cache")
-    parser.add_argument("action", nargs="?", choices=("info", "clear"), default="info")
-    action = parser.parse_args(argv).action
-    info = clear_cache() if action == "clear" else cache_info()
-    verb = "removed" if action == "clear" else "holds"
+    parser = argparse.ArgumentParser(prog="kernelgen cache",
+                                     description="the compiled-kernel cache and the tuning database")
+    parser.add_argument("action", nargs="?", choices=("info", "clear", "export", "import"), default="info")
+    parser.add_argument("file", nargs="?", help="the archive (.tar.gz) for export and import")
+    parser.add_argument("--tuning", action="store_true", help="clear: the tuning database too")
+    opts = parser.parse_args(argv)
+    if (opts.file is None) == (opts.action in ("export", "import")):
+        parser.error(f"{opts.action} takes {'a FILE' if opts.file is None else 'no FILE'}")
+    if opts.tuning and opts.action != "clear":
+        parser.error("--tuning goes with clear")
+    if opts.action == "export":
+        binaries, runs = export_cache(Path(opts.file))
+        print(f"wrote {binaries} binaries and {runs} tuning runs to {opts.file}")
+        return 0
+    if opts.action == "import":
+        try:
+            report = import_cache(Path(opts.file))
+        except (OSError, ValueError, tarfile.TarError) as error:
+            print(f"kernelgen: error: {error}", file=sys.stderr)
+            return 1
+        for note in report.notes:
+            print(f"kernelgen: warning: {note}", file=sys.stderr)
+        print(f"imported {report.binaries} binaries ({report.present} already here, "
+              f"{report.damaged} damaged) and {report.runs} new tuning runs")
+        return 1 if report.damaged else 0
+    info = clear_cache() if opts.action == "clear" else cache_info()
+    verb = "removed" if opts.action == "clear" else "holds"
     print(f"{info.root} {verb} {info.entries} binaries, {info.bytes / 2**20:.1f} MiB")
+    if opts.action == "clear" and opts.tuning:
+        from kernelgen import tunedb
+
+        cleared = tunedb.TuneDB().clear()
+        print(f"removed {cleared.runs} tuning runs from {cleared.path}")
+    elif opts.action == "info":
+        print(_describe_db())
     return 0

@@ -1,0 +1,551 @@
+"""Autotuning: search a spec's config space on the GPU in hand, remember the answer, look it up.
+
+    tune(spec, problem, ...)       prune by constraints and device limits, compile in parallel,
+                                   check each candidate against the reference, then time it;
+                                   record every trial and the winner in the tuning DB
+    lookup(spec, variant, problem) the config to launch: memo -> tuning DB -> shipped tuned
+                                   defaults -> the spec's heuristic; tunes on a miss only with
+                                   KERNELGEN_AUTOTUNE=1, and never during CUDA-graph capture
+
+The search loop sees candidates only through check() and run(), so its rules (correctness gates
+speed; compile failures and spills never win) are tested on the CPU with fakes. The GPU side of a
+candidate lives in measure.py. torch is imported only where a GPU is used: the compile workers and
+`kernelgen tune --export` do not need it.
+
+The module is callable, so `kernelgen.tune(...)` runs tune() and `kernelgen.tune.lookup` works.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import sqlite3
+import sys
+import threading
+import types
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from kernelgen import cache, env, tunedb
+from kernelgen.render import render
+from kernelgen.spec import Config, KernelSpec, SpecError, Variant, load_spec
+from kernelgen.tunedb import Identity
+
+log = logging.getLogger("kernelgen.tune")
+
+DEFAULTS_PATH = Path(__file__).resolve().parent / "data" / "tuned_defaults.json"
+DEFAULTS_FORMAT = 1
+_MAX_MEMO = 4096
+
+
+class TuneError(RuntimeError):
+    pass
+
+
+# ---- problems and buckets -----------------------------------------------------------------------
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Problems that share a tuned config: sequence lengths and batch*heads rounded up to powers
+    of two (tile efficiency changes with the number of tiles, i.e. with these, stepwise)."""
+    seqlen_q: int
+    seqlen_k: int
+    batch_heads: int
+
+    @property
+    def slug(self) -> str:
+        return f"q{self.seqlen_q}_k{self.seqlen_k}_bh{self.batch_heads}"
+
+    @classmethod
+    def from_slug(cls, slug: str) -> Bucket:
+        q, k, bh = slug.split("_")
+        return cls(int(q.removeprefix("q")), int(k.removeprefix("k")), int(bh.removeprefix("bh")))
+
+    def distance(self, other: Bucket) -> float:
+        # In octaves; sequence lengths decide the tile shape more than the batch does.
+        return (abs(math.log2(self.seqlen_q / other.seqlen_q)) + abs(math.log2(self.seqlen_k / other.seqlen_k))
+                + 0.5 * abs(math.log2(self.batch_heads / other.batch_heads)))
+
+
+@dataclass(frozen=True)
+class Problem:
+    batch: int
+    heads: int
+    heads_k: int
+    seqlen_q: int
+    seqlen_k: int
+
+    def bucket(self) -> Bucket:
+        return Bucket(_pow2(self.seqlen_q), _pow2(self.seqlen_k), _pow2(self.batch * self.heads))
+
+    def as_dict(self) -> dict:
+        return {"batch": self.batch, "heads": self.heads, "heads_k": self.heads_k,
+                "seqlen_q": self.seqlen_q, "seqlen_k": self.seqlen_k}
+
+
+# ---- the search -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    max_smem: int      # dynamic + static shared memory one block may opt in to
+    max_threads: int   # per block
+
+
+@dataclass(frozen=True)
+class Built:
+    registers: int
+    spill_stores: int
+    stack_bytes: int
+    smem: int          # dynamic (the spec's launch formula) + static
+
+    @property
+    def spills(self) -> bool:
+        return bool(self.spill_stores or self.stack_bytes)
+
+
+@dataclass(frozen=True)
+class Check:
+    ok: bool
+    max_error: float
+    bound: float
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_ms: float
+    min_ms: float
+    samples: int
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> Timing:
+        ordered = sorted(samples)
+        middle = len(ordered) // 2
+        median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+        return cls(median, ordered[0], len(ordered))
+
+
+STATUSES = ("ok", "wrong", "spills", "device_limit", "compile_error", "run_error")
+
+
+@dataclass(frozen=True)
+class Trial:
+    config: Config
+    status: str                      # one of STATUSES; only "ok" trials were timed
+    timing: Timing | None = None
+    built: Built | None = None
+    check: Check | None = None
+    note: str = ""
+
+
+class Candidate(Protocol):
+    config: Config
+
+    def check(self) -> Check: ...   # run once on the tuning inputs, compare with the reference
+
+    def run(self) -> Timing: ...    # timed repeats
+
+
+class DeviceLimit(Exception):
+    pass
+
+
+def prune(spec: KernelSpec, variant: Variant, limits: DeviceLimits) -> tuple[list[Config], list[Trial]]:
+    """The spec's valid configs that fit the device, and a trial for each one that does not."""
+    kept, rejected = [], []
+    for config in spec.valid_configs(variant):
+        values = spec.environment(variant, config)
+        threads = math.prod(int(e(values)) for e in spec.block)
+        smem = int(spec.smem(values))
+        if threads > limits.max_threads:
+            rejected.append(Trial(config, "device_limit",
+                                  note=f"{threads} threads per block > {limits.max_threads}"))
+        elif smem > limits.max_smem:
+            rejected.append(Trial(config, "device_limit",
+                                  note=f"{smem} B shared memory > {limits.max_smem}"))
+        else:
+            kept.append(config)
+    return kept, rejected
+
+
+def build(spec: KernelSpec, variant: Variant, limits: DeviceLimits, config: Config) -> Built:
+    """Render and compile one config (runs on the compile pool; NVRTC releases the GIL)."""
+    smem = int(spec.smem(spec.environment(variant, config)))
+    binary = cache.compile_cached(render(spec, variant, config), variant.arch)
+    built = Built(binary.registers, binary.spill_stores, binary.stack_bytes, smem + binary.static_smem)
+    if built.smem > limits.max_smem:   # static shared memory is known only now
+        raise DeviceLimit(f"{built.smem} B shared memory (with static) > {limits.max_smem}")
+    return built
+
+
+def search(candidates: Sequence[Candidate], build: Callable[[Config], Built], pool: Executor,
+           on_trial: Callable[[Trial], None] | None = None) -> list[Trial]:
+    """Every candidate's build goes to `pool` at once; candidates are then checked and timed in
+    order as their builds finish, so candidate i is timed while later ones still compile."""
+    futures = [pool.submit(build, candidate.config) for candidate in candidates]
+    trials = []
+    try:
+        for candidate, future in zip(candidates, futures):
+            trials.append(_evaluate(candidate, future))
+            if on_trial is not None:
+                on_trial(trials[-1])
+    finally:
+        for future in futures:
+            future.cancel()
+    return trials
+
+
+def _evaluate(candidate: Candidate, future: Future) -> Trial:
+    config = candidate.config
+    try:
+        built = future.result()
+    except DeviceLimit as exc:
+        return Trial(config, "device_limit", note=str(exc))
+    except Exception as exc:
+        return Trial(config, "compile_error", note=_first_line(exc))
+    if built.spills:
+        return Trial(config, "spills", built=built,
+                     note=f"{built.spill_stores} B spill stores, {built.stack_bytes} B stack")
+    try:
+        check = candidate.check()
+        if not check.ok:   # correctness gates speed: a wrong candidate is never timed
+            return Trial(config, "wrong", built=built, check=check, note=check.note)
+        return Trial(config, "ok", timing=candidate.run(), built=built, check=check)
+    except Exception as exc:
+        return Trial(config, "run_error", built=built, note=_first_line(exc))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def choose(trials: Sequence[Trial]) -> Trial | None:
+    passed = [t for t in trials if t.status == "ok"]
+    return min(passed, key=lambda t: t.timing.median_ms, default=None)
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    spec: str
+    variant: Variant
+    problem: Problem
+    identity: Identity
+    trials: tuple[Trial, ...]
+    chosen: Trial | None
+    default: Config
+
+    def trial(self, config: Config) -> Trial | None:
+        return next((t for t in self.trials if t.config == config), None)
+
+
+def tune(spec, problem: Problem, *, variant: Variant | None = None, arch: str | None = None,
+         device: int | None = None, jobs: int | None = None, rep_ms: float = 50.0,
+         save: bool = True, progress: bool = False, **params) -> TuneResult:
+    """Tune one variant of `spec` (a name, a path or a KernelSpec) for `problem` on a GPU.
+
+    The variant is `variant`, or built from `params` (missing ones take their defaults) on `arch`
+    (default: the device's). Every trial is recorded in the tuning DB unless save=False, and the
+    winner answers lookup() for the problem's bucket from then on.
+    """
+    import torch
+
+    from kernelgen import api, measure
+
+    spec = spec if isinstance(spec, KernelSpec) else load_spec(spec)
+    device = _device(device)
+    if _capturing():
+        raise TuneError("kernelgen.tune: cannot tune during CUDA-graph capture; tune (or run the "
+                        "op once) before capturing")
+    if variant is None:
+        variant = spec.variant(arch or api.pick_arch(spec, device), **params)
+    elif params or arch:
+        raise TypeError("tune: give either a variant or its params and arch, not both")
+    identity, limits = gpu_identity(device), measure.device_limits(device)
+    configs, rejected = prune(spec, variant, limits)
+    with torch.cuda.device(device):
+        workload = measure.Workload(spec, variant, problem, device)
+        candidates = [measure.AttentionCandidate(workload, spec, variant, c, rep_ms) for c in configs]
+        with _progress(progress, len(candidates), variant) as on_trial, \
+                ThreadPoolExecutor(max_workers=jobs or _default_jobs(len(candidates))) as pool:
+            trials = search(candidates, functools.partial(build, spec, variant, limits), pool, on_trial)
+        del workload, candidates
+    trials += rejected
+    result = TuneResult(spec.name, variant, problem, identity, tuple(trials), choose(trials),
+                        spec.default_config(variant))
+    key = _key(spec, variant, problem.bucket(), identity)
+    if save:
+        _save(key, result)
+    if result.chosen is not None:
+        _remember(spec, variant, problem, device, Choice(result.chosen.config, "tuned"))
+    return result
+
+
+def _default_jobs(count: int) -> int:
+    # One core stays free for the thread that launches and times.
+    return max(1, min(count, (os.cpu_count() or 2) - 1))
+
+
+class _progress:
+    def __init__(self, enabled: bool, total: int, variant: Variant):
+        self.enabled, self.total, self.variant = enabled, total, variant
+
+    def __enter__(self):
+        if not self.enabled:
+            return None
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=self.total, desc=self.variant.slug, unit="config", file=sys.stderr,
+                        leave=False)
+        return lambda trial: self.bar.update(1)
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.bar.close()
+
+
+def _save(key: tunedb.Key, result: TuneResult) -> None:
+    rows = [tunedb.TrialRow(
+        t.config, t.status,
+        median_ms=t.timing.median_ms if t.timing else None, min_ms=t.timing.min_ms if t.timing else None,
+        samples=t.timing.samples if t.timing else 0,
+        registers=t.built.registers if t.built else None, smem=t.built.smem if t.built else None,
+        max_error=t.check.max_error if t.check else None, note=t.note) for t in result.trials]
+    chosen = result.chosen
+    tunedb.TuneDB().record(key, result.problem.as_dict(), chosen.config if chosen else None,
+                           chosen.timing.median_ms if chosen else None, rows)
+
+
+# ---- lookup on the call path ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Choice:
+    config: Config
+    source: str   # "tuned" (this process), "db", "shipped", "heuristic"
+
+
+_MEMO: dict[tuple, Config] = {}       # (spec hash, variant, problem, device) -> config
+_BUCKETS: dict[tuple, Choice] = {}    # (spec hash, variant, bucket, device) -> choice
+_RESOLVING = threading.RLock()        # reentrant: tuning on a miss remembers its own answer
+_IDENTITIES: dict[int, Identity] = {}
+
+
+def lookup(spec: KernelSpec, variant: Variant, problem: Problem, device: int | None = None) -> Config:
+    """The config to launch `variant` with on `problem`. A repeated call is one dict lookup; pass
+    `device` (the CUDA index) when the process uses GPUs of different kinds."""
+    config = _MEMO.get((spec.content_hash, variant, problem, device))
+    if config is None:
+        config = resolve(spec, variant, problem, device).config
+        if len(_MEMO) >= _MAX_MEMO:
+            _MEMO.clear()
+        _MEMO[(spec.content_hash, variant, problem, device)] = config
+    return config
+
+
+def resolve(spec: KernelSpec, variant: Variant, problem: Problem, device: int | None = None) -> Choice:
+    """lookup()'s answer and where it came from, memoized per bucket."""
+    device = _device(device)
+    bucket_key = (spec.content_hash, variant, problem.bucket(), device)
+    choice = _BUCKETS.get(bucket_key)
+    if choice is None:
+        with _RESOLVING:
+            choice = _BUCKETS.get(bucket_key) or _resolve(spec, variant, problem, device)
+            _BUCKETS[bucket_key] = choice
+    return choice
+
+
+def _remember(spec, variant, problem: Problem, device: int, choice: Choice) -> None:
+    with _RESOLVING:
+        _BUCKETS[(spec.content_hash, variant, problem.bucket(), device)] = choice
+        _MEMO.clear()   # exact-problem entries of this bucket may hold the old answer
+
+
+def clear_memo() -> None:
+    """Forget every in-process answer (tests; or to see another process's new tunings)."""
+    with _RESOLVING:
+        _MEMO.clear()
+        _BUCKETS.clear()
+        _IDENTITIES.clear()
+        _shipped_table.cache_clear()
+
+
+def _resolve(spec: KernelSpec, variant: Variant, problem: Problem, device: int) -> Choice:
+    key = _key(spec, variant, problem.bucket(), gpu_identity(device))
+    config = _from_db(spec, variant, key)
+    if config is not None:
+        return Choice(config, "db")
+    if env.settings().autotune:
+        tuned = _autotune(spec, variant, problem, device, key)
+        if tuned is not None:
+            return tuned
+    config = _from_shipped(spec, variant, key)
+    if config is not None:
+        return Choice(config, "shipped")
+    return Choice(spec.default_config(variant), "heuristic")
+
+
+def _autotune(spec, variant, problem: Problem, device: int, key: tunedb.Key) -> Choice | None:
+    if _capturing():
+        raise TuneError(
+            f"kernelgen: no tuned config for {variant.slug} at {key.bucket} and KERNELGEN_AUTOTUNE=1 "
+            "asks to tune it, but the current stream is capturing a CUDA graph: run the op once "
+            "on this shape before capturing")
+    # One process tunes a bucket; the others wait here, then read its answer from the DB.
+    digest = hashlib.sha256(repr(sorted(key.columns().items())).encode()).hexdigest()[:32]
+    lock = env.settings().cache_dir / "tune-locks" / f"{digest}.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with cache.file_lock(lock):
+        config = _from_db(spec, variant, key)
+        if config is not None:
+            return Choice(config, "db")
+        log.warning("kernelgen: tuning %s %s on %s for bucket %s (KERNELGEN_AUTOTUNE=1); "
+                    "this runs once per bucket", spec.name, variant.slug, key.identity.gpu, key.bucket)
+        try:
+            result = tune(spec, problem, variant=variant, device=device)
+        except Exception:
+            log.warning("kernelgen: tuning %s failed; using the untuned config", variant.slug,
+                        exc_info=True)
+            return None
+    if result.chosen is None:
+        log.warning("kernelgen: no config of %s passed the check; using the untuned config",
+                    variant.slug)
+        return None
+    return Choice(result.chosen.config, "tuned")
+
+
+def _usable(spec: KernelSpec, variant: Variant, config: Config | None, where: str) -> Config | None:
+    if config is None:
+        return None
+    try:
+        config = spec.parse_config(config.as_dict())
+    except SpecError as exc:
+        log.warning("kernelgen: ignoring a config from %s: %s", where, exc)
+        return None
+    problems = spec.violations(variant, config)
+    if problems:
+        log.warning("kernelgen: ignoring %s from %s: violates %s", config.slug, where, problems)
+        return None
+    return config
+
+
+def _from_db(spec, variant, key: tunedb.Key) -> Config | None:
+    try:
+        config = tunedb.TuneDB().best(key)
+    except (sqlite3.Error, OSError, tunedb.TuneDBError) as exc:   # never fail a call over it
+        log.warning("kernelgen: tuning database unusable (%s); using defaults", exc)
+        return None
+    return _usable(spec, variant, config, "the tuning database")
+
+
+@functools.cache
+def _shipped_table() -> dict[tuple, list[tuple[Bucket, Config]]]:
+    try:
+        return _read_shipped(json.loads(DEFAULTS_PATH.read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("kernelgen: shipped tuned defaults %s unusable (%s: %s); ignored", DEFAULTS_PATH,
+                    type(exc).__name__, exc)
+        return {}
+
+
+def _read_shipped(doc: dict) -> dict[tuple, list[tuple[Bucket, Config]]]:
+    if doc.get("format") != DEFAULTS_FORMAT:
+        raise ValueError(f"format {doc.get('format')!r}, expected {DEFAULTS_FORMAT}")
+    table: dict[tuple, list[tuple[Bucket, Config]]] = {}
+    for entry in doc["entries"]:
+        where = (entry["spec"], entry["variant"], entry["arch"], entry["gpu"], entry["capability"],
+                 entry["sm_count"])
+        config = Config(tuple((str(k), int(v)) for k, v in entry["config"].items()))
+        table.setdefault(where, []).append((Bucket.from_slug(entry["bucket"]), config))
+    return table
+
+
+def _from_shipped(spec, variant, key: tunedb.Key) -> Config | None:
+    # Matched by GPU, not toolchain: these are measurements of a GPU we had, shipped as data.
+    # The nearest measured bucket stands in for one that was not measured.
+    identity = key.identity
+    entries = _shipped_table().get((spec.name, variant.slug, variant.arch, identity.gpu,
+                                    identity.capability, identity.sm_count))
+    if not entries:
+        return None
+    wanted = Bucket.from_slug(key.bucket)
+    _, config = min(entries, key=lambda entry: entry[0].distance(wanted))
+    return _usable(spec, variant, config, str(DEFAULTS_PATH))
+
+
+def export_defaults(path: Path, db: tunedb.TuneDB | None = None) -> int:
+    """Write the latest chosen config per (spec, variant, bucket, GPU) of the DB in the shipped
+    format (kernelgen/data/tuned_defaults.json). Rows of a spec that has changed are left out."""
+    hashes: dict[str, str | None] = {}
+    latest: dict[tuple, dict] = {}
+    for run in (db or tunedb.TuneDB()).dump():   # oldest first: later runs replace earlier ones
+        if run["config"] is None:
+            continue
+        if run["spec"] not in hashes:
+            try:
+                hashes[run["spec"]] = load_spec(run["spec"]).content_hash
+            except SpecError:   # not a shipped spec
+                hashes[run["spec"]] = None
+        if run["spec_hash"] != hashes[run["spec"]]:
+            continue
+        where = tuple(run[name] for name in ("spec", "variant", "arch", "bucket", "gpu",
+                                             "capability", "sm_count"))
+        latest[where] = run
+    names = ("spec", "spec_hash", "variant", "arch", "bucket", "gpu", "capability", "sm_count",
+             "time_ms", "driver", "nvrtc", "kernelgen")
+    entries = [{**{name: run[name] for name in names}, "problem": json.loads(run["problem"]),
+                "config": json.loads(run["config"])} for _, run in sorted(latest.items())]
+    Path(path).write_text(json.dumps({"format": DEFAULTS_FORMAT, "entries": entries}, indent=1) + "\n")
+    return len(entries)
+
+
+# ---- the GPU in hand ----------------------------------------------------------------------------
+
+def gpu_identity(device: int) -> Identity:
+    identity = _IDENTITIES.get(device)
+    if identity is None:
+        from kernelgen import measure
+
+        identity = _IDENTITIES[device] = measure.gpu_identity(device)
+    return identity
+
+
+def _device(device: int | None) -> int:
+    if device is not None:
+        return device
+    import torch
+
+    return torch.cuda.current_device()
+
+
+def _capturing() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _key(spec: KernelSpec, variant: Variant, bucket: Bucket, identity: Identity) -> tunedb.Key:
+    return tunedb.Key(spec.name, spec.content_hash, variant.slug, variant.arch, bucket.slug, identity)
+
+
+def main(argv: list[str]) -> int:
+    from kernelgen import tune_cli
+
+    return tune_cli.main(argv)
+
+
+class _CallableModule(types.ModuleType):
+    def __call__(self, *args, **kwargs) -> TuneResult:
+        return self.tune(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
