@@ -54,7 +54,22 @@ def _context(spec: KernelSpec, variant: Variant, config: Config) -> dict:
         "entry": spec.entry,
         "args": spec.args,
         "signature": ", ".join(f"{a.ctype} {a.name}" for a in spec.args),
+        "mods": spec.mods,
+        "param_values": variant.params,
     }
+
+
+RESUME_LINE = "#line KG_RESUME"
+
+
+def _resume_lines(text: str, name: str) -> str:
+    """A template emits `#line <n> "spec.yaml"` before a user expression (so NVRTC reports errors
+    at the spec's line) and RESUME_LINE after it; this points the numbering back at the source."""
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        if line.strip() == RESUME_LINE:
+            lines[i] = f'#line {i + 2} "{name}.cu"'
+    return "\n".join(lines)
 
 
 def render(spec: KernelSpec, variant: Variant, config: Config) -> Source:
@@ -71,6 +86,7 @@ def render(spec: KernelSpec, variant: Variant, config: Config) -> Source:
         raise RenderError(f"{_template_line(exc)}: {exc} "
                           f"(rendering {variant.slug} on {variant.arch}, {config.slug})") from None
     name = f"{spec.name}__{variant.slug}__{variant.arch}__{config.slug}"
+    text = _resume_lines(text, name)
     return Source(name=name, text=text, entry=spec.entry, variant=variant, config=config)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from kernelgen.cexpr import CExpr, CExprError, check_cexpr
 from kernelgen.expr import RESERVED, Expr, ExprError, parse_expr
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -43,9 +44,12 @@ ARCHS = {
         ArchInfo("sm_90a", 90, 232448, 255),
     )
 }
-ARG_CTYPES = {"ptr": "void*", "i32": "int", "i64": "long long", "f32": "float"}
+ARG_CTYPES = {"ptr": "void*", "i32": "int", "i64": "long long", "f32": "float",
+              # a TMA tensor map (128 bytes, 64-aligned), passed by value: see tma.cuh / tma.py
+              "tmap": "const __grid_constant__ kg::TensorMap"}
 # Names the environment and the template context define themselves (see render.py).
-CONTEXT_NAMES = frozenset({"max_smem", "arch_number", "arch", "entry", "args", "signature"})
+CONTEXT_NAMES = frozenset({"max_smem", "arch_number", "arch", "entry", "args", "signature", "mods",
+                           "param_values"})
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _SLUG_TEXT = re.compile(r"[A-Za-z0-9_]+\Z")  # string param values end up in file names
@@ -141,6 +145,36 @@ def _member(value, values) -> bool:
     return any(_same(value, v) for v in values)
 
 
+# The variables each user C expression of `mods` may use (besides its args and the params).
+MOD_CONTEXTS = {
+    "score_mod": ("score", "batch", "head", "q_idx", "kv_idx", "seqlen_q", "seqlen_k"),
+    "score_mod_grad": ("score", "batch", "head", "q_idx", "kv_idx", "seqlen_q", "seqlen_k"),
+    "mask_mod": ("batch", "head", "q_idx", "kv_idx", "seqlen_q", "seqlen_k"),
+    "kv_range": ("q_first", "q_last", "batch", "head", "seqlen_q", "seqlen_k"),
+}
+KV_RANGE_KEYS = ("lo", "hi", "full_lo", "full_hi")
+
+
+@dataclass(frozen=True)
+class Mods:
+    """Attention modifiers: C expressions the kernel applies (see docs/writing-specs.md).
+
+    score_mod rewrites each scaled score; score_mod_grad is its derivative for the backward (a
+    spec without one is forward-only); mask_mod says which (q_idx, kv_idx) are visible; kv_range
+    (lo, hi, full_lo, full_hi), functions of a query tile's rows q_first..q_last, bound the keys
+    that can be visible ([lo, hi): tiles outside are skipped) and those certainly visible
+    ([full_lo, full_hi): tiles inside skip the per-element mask)."""
+    score_mod: CExpr | None = None
+    score_mod_grad: CExpr | None = None
+    mask_mod: CExpr | None = None
+    kv_range: tuple[CExpr, ...] | None = None
+    args: tuple = ()  # the Args the mods introduce (also appended to the spec's args)
+
+    @property
+    def any(self) -> bool:
+        return bool(self.score_mod or self.mask_mod or self.kv_range)
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     name: str
@@ -159,6 +193,7 @@ class KernelSpec:
     block: tuple[Expr, Expr, Expr]
     smem: Expr
     content_hash: str
+    mods: Mods = Mods()
 
     def _at(self, key: str = "") -> _At:
         return _At(_display(self.path), key)
@@ -426,7 +461,85 @@ def _read_yaml(text: bytes, at: _At) -> dict:
         where = f"line {mark.line + 1}" if mark else "YAML"
         raise SpecError(f"{at.file}: {where}: {getattr(exc, 'problem', None) or exc}") from None
     return _keys(doc, at, ("name", "entry", "archs", "params", "args", "tune", "launch"),
-                 ("description", "derived", "template"))
+                 ("description", "derived", "template", "mods"))
+
+
+def _extended(text: bytes, path: Path, at: _At, seen: tuple[Path, ...] = ()) -> tuple[dict, bytes]:
+    """The spec's top-level mapping with `extends:` resolved, and the bytes its hash covers.
+
+    The child's keys replace the base's, except `params`, `derived` and `tune`, which are merged
+    one level deep (the child adds or redefines entries: `tune: {defaults: [...]}` keeps the
+    base's space and constraints). The base's template is kept unless the child names one."""
+    try:
+        doc = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError:
+        return _read_yaml(text, at), text  # _read_yaml reports the error with its line
+    if not isinstance(doc, dict) or "extends" not in doc:
+        return _read_yaml(text, at), text
+    base_name = doc.pop("extends")
+    if not isinstance(base_name, str):
+        raise at["extends"].error(f"expected a spec name or path, got {_kind(base_name)}")
+    relative = path.parent / base_name
+    try:
+        base_path = _locate(relative if relative.suffix in (".yaml", ".yml") and relative.is_file()
+                            else base_name)
+    except SpecError as exc:
+        raise at["extends"].error(str(exc)) from None
+    if base_path in seen or base_path == path:
+        raise at["extends"].error(f"{base_name!r} extends itself (a cycle)")
+    base, base_bytes = _extended(base_path.read_bytes(), base_path, _At(_display(base_path)),
+                                 (*seen, path))
+    merged = dict(base)
+    for key, value in doc.items():
+        if key in ("params", "derived", "tune") and isinstance(value, dict) and isinstance(base.get(key), dict):
+            merged[key] = {**base[key], **value}
+        else:
+            merged[key] = value
+    if "template" not in doc:
+        merged["template"] = str(_template_path(base.get("template"), base_path, base["name"],
+                                                at["template"]))
+    merged.pop("mods", None) if "mods" not in doc else None
+    child = _read_yaml(yaml.safe_dump(merged, sort_keys=False).encode(), at)
+    return child, base_bytes + b"\0" + text
+
+
+def _yaml_lines(text: bytes, *keys: str) -> int:
+    """1-based line of the value at mapping path `keys` in a YAML document (0 if not found)."""
+    node = yaml.compose(text, Loader=_Loader)
+    for key in keys:
+        if not isinstance(node, yaml.MappingNode):
+            return 0
+        node = next((v for k, v in node.value if getattr(k, "value", None) == key), None)
+        if node is None:
+            return 0
+    return node.start_mark.line + 1
+
+
+def _mods(value, text: bytes, at: _At, names: _Names, params) -> Mods:
+    body = _keys(value, at, (), ("args", *MOD_CONTEXTS))
+    args = tuple(_arg(v, at["args"][i])
+                 for i, v in enumerate(_list(body.get("args", []), at["args"], nonempty=False)))
+    for i, arg in enumerate(args):
+        names.define(arg.name, at["args"][i]["name"])
+    visible = {a.name for a in args} | {p.name for p in params}
+
+    def check(key: str, text_value, *path: str) -> CExpr:
+        try:
+            return check_cexpr(text_value, where=str(at[".".join(path)]), file=at.file,
+                               line=_yaml_lines(text, "mods", *path),
+                               names=visible | set(MOD_CONTEXTS[key]))
+        except CExprError as exc:
+            raise SpecError(str(exc)) from None
+
+    found = {k: check(k, body[k], k) for k in ("score_mod", "score_mod_grad", "mask_mod") if k in body}
+    if "score_mod_grad" in found and "score_mod" not in found:
+        raise at["score_mod_grad"].error("a derivative without a score_mod")
+    kv_range = None
+    if "kv_range" in body:
+        bounds = _keys(body["kv_range"], at["kv_range"], KV_RANGE_KEYS)
+        kv_range = tuple(check("kv_range", bounds[k], "kv_range", k) for k in KV_RANGE_KEYS)
+    return Mods(found.get("score_mod"), found.get("score_mod_grad"), found.get("mask_mod"),
+                kv_range, args)
 
 
 def _derived(value, at: _At, names: _Names) -> tuple[tuple[str, Expr], ...]:
@@ -459,7 +572,7 @@ def _launch(value, at: _At, names: list[str]) -> tuple:
 
 def _parse(path: Path, text: bytes) -> KernelSpec:
     at = _At(_display(path))
-    top = _read_yaml(text, at)
+    top, hashed = _extended(text, path, at)
     name = _identifier(top["name"], at["name"])
     names = _Names()
     params = tuple(_param(names.define(key, at["params"][key]), value, at["params"][key])
@@ -476,19 +589,21 @@ def _parse(path: Path, text: bytes) -> KernelSpec:
     args = tuple(_arg(v, at["args"][i]) for i, v in enumerate(args))
     for i, arg in enumerate(args):
         names.define(arg.name, at["args"][i]["name"])
+    mods = _mods(top["mods"], text, at["mods"], names, params) if "mods" in top else Mods()
+    args = args + mods.args
     # Launch geometry may also depend on the runtime scalars (a grid over seqlen_q, say).
     grid, block, smem = _launch(top["launch"], at["launch"],
                                 known + [a.name for a in args if a.type != "ptr"])
 
     template = _template_path(top.get("template"), path, name, at["template"])
-    digest = hashlib.sha256(text)
+    digest = hashlib.sha256(hashed)
     digest.update(b"\0" + (template.read_bytes() if template.is_file() else b""))
     return KernelSpec(
         name=name, description=_string(top.get("description", ""), at["description"]),
         entry=_identifier(top["entry"], at["entry"]), path=path, template=template,
         archs=_archs(top["archs"], at["archs"]), params=params, args=args, derived=derived,
         space=space, constraints=constraints, defaults=defaults, grid=grid, block=block,
-        smem=smem, content_hash=digest.hexdigest(),
+        smem=smem, content_hash=digest.hexdigest(), mods=mods,
     )
 
 

@@ -72,7 +72,7 @@ def test_generated_dir_is_current(tmp_path):
     paths = render_generated(tmp_path)
     produced = {p.relative_to(tmp_path): p.read_text() for p in paths}
     committed = {p.relative_to(GENERATED_DIR): p.read_text() for p in GENERATED_DIR.rglob("*.cu")}
-    assert len(produced) == 20
+    assert sum(1 for name in produced if name.parts[0] == "flash_attn_fwd") == 20
     assert produced.keys() == committed.keys(), f"generated/ is stale: run `{GENERATED_BY}`"
     stale = [str(name) for name in produced if produced[name] != committed[name]]
     assert not stale, f"generated/ is stale ({', '.join(stale)}): run `{GENERATED_BY}`"
@@ -85,7 +85,7 @@ def test_render_generated_header_and_stale_files(tmp_path):
     old.write_text("// from an older spec\n")
     paths = render_generated(tmp_path)
     assert not old.exists()
-    first = paths[0].read_text()
+    first = next(p for p in paths if p.parent.name == "flash_attn_fwd").read_text()
     assert first.startswith(f"// Generated from specs/flash_attn_fwd.yaml by `{GENERATED_BY}`")
     stamps = [p.stat().st_mtime_ns for p in paths]
     assert render_generated(tmp_path) == paths

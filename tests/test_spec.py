@@ -191,7 +191,9 @@ def _delete(*keys):
 
 
 BAD = {
-    "unknown top key": (_set("extends", value="x"), "extends: unknown key; allowed: name, entry"),
+    "unknown top key": (_set("extend", value="x"), "extend: unknown key; allowed: name, entry"),
+    "unknown base spec": (_set("extends", value="nonexistent_spec"),
+                          "extends: unknown spec 'nonexistent_spec'"),
     "unknown nested key": (_set("params", "width", "choices", value=[1]),
                            "params.width.choices: unknown key; allowed: values, default"),
     "unknown launch key": (_set("launch", "cluster", value=[1, 1, 1]), "launch.cluster: unknown"),

@@ -15,6 +15,40 @@ using Config = kg::FwdConfig<elem_t, /*HEAD_DIM=*/96, /*BLOCK_M=*/128,
                              /*GRID_ORDER=*/0>;
 static_assert(Config::kSmemBytes == 53248, "spec's smem formula disagrees with the kernel");
 
+// The spec's attention modifiers (kernelgen/flash_fwd_sm80.cuh says what each one does).
+struct Mods {
+    static constexpr int head_dim = 96;
+    static constexpr bool causal = true;
+    static constexpr bool kScoreMod = false;
+    static constexpr bool kMaskMod = false;
+    static constexpr bool kKvRange = false;
+
+    __device__ __forceinline__ float score_mod(float score, int batch, int head, int q_idx,
+                                               int kv_idx, int seqlen_q, int seqlen_k) const {
+        return score;
+    }
+    __device__ __forceinline__ bool mask_mod(int batch, int head, int q_idx, int kv_idx,
+                                             int seqlen_q, int seqlen_k) const {
+        return true;
+    }
+    __device__ __forceinline__ int kv_lo(int q_first, int q_last, int batch, int head,
+                                        int seqlen_q, int seqlen_k) const {
+        return 0;
+    }
+    __device__ __forceinline__ int kv_hi(int q_first, int q_last, int batch, int head,
+                                        int seqlen_q, int seqlen_k) const {
+        return 1 << 30;
+    }
+    __device__ __forceinline__ int full_lo(int q_first, int q_last, int batch, int head,
+                                        int seqlen_q, int seqlen_k) const {
+        return 0;
+    }
+    __device__ __forceinline__ int full_hi(int q_first, int q_last, int batch, int head,
+                                        int seqlen_q, int seqlen_k) const {
+        return 1 << 30;
+    }
+};
+
 extern "C" __global__ void __launch_bounds__(Config::kThreads)
 flash_attn_fwd(const elem_t* q, const elem_t* k, const elem_t* v, elem_t* o, float* lse, long long q_stride_b, long long q_stride_s, long long q_stride_h, long long k_stride_b, long long k_stride_s, long long k_stride_h, long long v_stride_b, long long v_stride_s, long long v_stride_h, long long o_stride_b, long long o_stride_s, long long o_stride_h, int batch, int heads, int heads_k, int seqlen_q, int seqlen_k, float softmax_scale) {
     const kg::FwdArgs<elem_t> args{q, k, v, o, lse,
@@ -23,5 +57,6 @@ flash_attn_fwd(const elem_t* q, const elem_t* k, const elem_t* v, elem_t* o, flo
                                    v_stride_b, v_stride_s, v_stride_h,
                                    o_stride_b, o_stride_s, o_stride_h,
                                    batch, heads, heads_k, seqlen_q, seqlen_k, softmax_scale};
-    kg::flash_fwd_sm80<Config>(args);
+    const Mods mods{};
+    kg::flash_fwd_sm80<Config>(args, mods);
 }

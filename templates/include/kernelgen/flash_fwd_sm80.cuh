@@ -93,8 +93,23 @@ struct TileLoader {
     }
 };
 
-template <class C>
-__device__ __forceinline__ void flash_fwd_sm80(const FwdArgs<typename C::Elem>& a) {
+// Attention modifiers (a spec's `mods`, rendered into a struct like this one by the template):
+// score_mod rewrites each scaled score, mask_mod hides (q_idx, kv_idx) pairs, and the kv range
+// bounds the keys a query tile can see ([kv_lo, kv_hi)) and those it surely sees ([full_lo,
+// full_hi)), so that tiles outside are skipped and tiles inside skip the per-element mask.
+struct NoMods {
+    static constexpr bool kScoreMod = false, kMaskMod = false, kKvRange = false;
+    __device__ float score_mod(float s, int, int, int, int, int, int) const { return s; }
+    __device__ bool mask_mod(int, int, int, int, int, int) const { return true; }
+    __device__ int kv_lo(int, int, int, int, int, int) const { return 0; }
+    __device__ int kv_hi(int, int, int, int, int, int) const { return 1 << 30; }
+    __device__ int full_lo(int, int, int, int, int, int) const { return 0; }
+    __device__ int full_hi(int, int, int, int, int, int) const { return 1 << 30; }
+};
+
+template <class C, class Mods = NoMods>
+__device__ __forceinline__ void flash_fwd_sm80(const FwdArgs<typename C::Elem>& a,
+                                               const Mods& mods = Mods{}) {
     using Elem = typename C::Elem;
     extern __shared__ __align__(128) unsigned char smem[];
 
@@ -119,7 +134,15 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdArgs<typename C::Elem>& 
     const int q_rows = min(a.seqlen_q - row0, C::kBlockM);
     int kv_end = a.seqlen_k;
     if constexpr (C::kCausal) kv_end = min(kv_end, row0 + q_rows + a.seqlen_k - a.seqlen_q);
-    const int n_blocks = kv_end > 0 ? cdiv(kv_end, C::kBlockN) : 0;
+    // KV tiles [n_first, n_first + n_blocks); n_first is a compile-time 0 without a kv range.
+    int n_first = 0, n_blocks = kv_end > 0 ? cdiv(kv_end, C::kBlockN) : 0;
+    if constexpr (Mods::kKvRange) {
+        const int q_last = row0 + q_rows - 1;
+        const int lo = max(0, mods.kv_lo(row0, q_last, batch, head, a.seqlen_q, a.seqlen_k));
+        kv_end = min(kv_end, mods.kv_hi(row0, q_last, batch, head, a.seqlen_q, a.seqlen_k));
+        n_first = lo / C::kBlockN;
+        n_blocks = kv_end > lo ? cdiv(kv_end, C::kBlockN) - n_first : 0;
+    }
 
     if (n_blocks == 0) {  // every row of the tile sees no key: O = 0, LSE = -inf
         for (int i = tid; i < q_rows * C::kHeadDim; i += C::kThreads)
@@ -138,11 +161,11 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdArgs<typename C::Elem>& 
     #pragma unroll
     for (int s = 0; s < C::kStages - 1; ++s) {
         if (s < n_blocks) {
-            const int rows = a.seqlen_k - s * C::kBlockN;
+            const int tile = n_first + s, rows = a.seqlen_k - tile * C::kBlockN;
             loader.template load<C::kBlockN>(s_k + s * C::kTileKV * 2,
-                                             k + s * C::kBlockN * a.k_stride_s, a.k_stride_s, rows);
+                                             k + tile * C::kBlockN * a.k_stride_s, a.k_stride_s, rows);
             loader.template load<C::kBlockN>(s_v + s * C::kTileKV * 2,
-                                             v + s * C::kBlockN * a.v_stride_s, a.v_stride_s, rows);
+                                             v + tile * C::kBlockN * a.v_stride_s, a.v_stride_s, rows);
         }
         cp_async_commit();  // empty groups keep the wait_group arithmetic uniform
     }
@@ -164,26 +187,30 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdArgs<typename C::Elem>& 
         #pragma unroll
         for (int h = 0; h < 2; ++h) { row_max[mt][h] = neg_inf(); row_sum[mt][h] = 0.f; }
     }
-    const float scale_log2 = a.softmax_scale * kLog2e;
+    // With a score_mod the kernel applies the scale itself (the mod sees scaled scores), and the
+    // softmax then works on the modified scores in log2 units.
+    const float scale_log2 = Mods::kScoreMod ? kLog2e : a.softmax_scale * kLog2e;
     // Rows of this lane: row0 + warp_row + mt*16 + lane/4 + 8h. Causal limit for a row r: r + shift.
 
-    for (int nb = 0; nb < n_blocks; ++nb) {
+    for (int i = 0; i < n_blocks; ++i) {
+        const int nb = n_first + i;  // the KV tile; i counts iterations (ring slots)
         cp_async_wait<C::kStages - 2>();
-        __syncthreads();  // tile nb visible to all warps; slot (nb-1) % STAGES is free again
+        __syncthreads();  // tile i visible to all warps; slot (i-1) % STAGES is free again
 
-        {   // prefetch tile nb + STAGES - 1 into the slot the previous iteration released
-            const int pf = nb + C::kStages - 1;
+        {   // prefetch iteration i + STAGES - 1 into the slot the previous iteration released
+            const int pf = i + C::kStages - 1;
             if (pf < n_blocks) {
-                const int slot = pf % C::kStages, rows = a.seqlen_k - pf * C::kBlockN;
+                const int slot = pf % C::kStages, tile = n_first + pf;
+                const int rows = a.seqlen_k - tile * C::kBlockN;
                 loader.template load<C::kBlockN>(s_k + slot * C::kTileKV * 2,
-                                                 k + pf * C::kBlockN * a.k_stride_s, a.k_stride_s, rows);
+                                                 k + tile * C::kBlockN * a.k_stride_s, a.k_stride_s, rows);
                 loader.template load<C::kBlockN>(s_v + slot * C::kTileKV * 2,
-                                                 v + pf * C::kBlockN * a.v_stride_s, a.v_stride_s, rows);
+                                                 v + tile * C::kBlockN * a.v_stride_s, a.v_stride_s, rows);
             }
             cp_async_commit();
         }
 
-        const int slot = nb % C::kStages;
+        const int slot = i % C::kStages;
         const u32 k_tile = s_k + slot * C::kTileKV * 2, v_tile = s_v + slot * C::kTileKV * 2;
 
         // S = Q K^T for this warp's rows (fp32, unscaled).
@@ -212,19 +239,43 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdArgs<typename C::Elem>& 
             }
         }
 
-        // Mask keys past seqlen_k and, for causal, keys past each row's diagonal. Only the
-        // tiles that straddle a boundary pay for it (a CTA-uniform branch).
-        // Both tests are against one per-lane number, so the unrolled compares use immediates
-        // and the masking state costs two registers only inside this branch.
         const int col0 = nb * C::kBlockN;
+        // Index of element (mt, nt, e): q = lane_q + mt*16 + (e/2)*8, kv = lane_kv + nt*8 + (e&1).
+        if constexpr (Mods::kScoreMod) {
+            const int lane_q = row0 + warp_row + lane / 4, lane_kv = col0 + 2 * (lane % 4);
+            // Indices are clamped so a mod that reads per-token tensors stays in bounds on the
+            // padding rows and columns (those are masked or never stored).
+            #pragma unroll
+            for (int mt = 0; mt < C::kMTiles; ++mt)
+                #pragma unroll
+                for (int nt = 0; nt < C::kSTiles; ++nt)
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        acc_s[mt][nt][e] = mods.score_mod(
+                            acc_s[mt][nt][e] * a.softmax_scale, batch, head,
+                            min(lane_q + mt * 16 + (e / 2) * 8, a.seqlen_q - 1),
+                            min(lane_kv + nt * 8 + (e & 1), a.seqlen_k - 1), a.seqlen_q, a.seqlen_k);
+        }
+
+        // Mask keys past seqlen_k, for causal keys past each row's diagonal, and what the
+        // mask_mod hides. Only tiles that straddle a boundary pay for it (a CTA-uniform branch).
+        // Both built-in tests are against one per-lane number, so the unrolled compares use
+        // immediates and the masking state costs two registers only inside this branch.
         bool need_mask = col0 + C::kBlockN > a.seqlen_k;
         if constexpr (C::kCausal)
             need_mask |= col0 + C::kBlockN - 1 > row0 + a.seqlen_k - a.seqlen_q;
-        if (need_mask) {
-            const int lane_col = col0 + 2 * (lane % 4);
-            const int tail = a.seqlen_k - lane_col;  // element (nt, e) is past the end if >= tail
+        bool need_mod_mask = Mods::kMaskMod;
+        if constexpr (Mods::kMaskMod && Mods::kKvRange) {
+            const int q_last = row0 + q_rows - 1;
+            need_mod_mask =
+                col0 < mods.full_lo(row0, q_last, batch, head, a.seqlen_q, a.seqlen_k) ||
+                col0 + C::kBlockN > mods.full_hi(row0, q_last, batch, head, a.seqlen_q, a.seqlen_k);
+        }
+        if (need_mask || need_mod_mask) {
+            const int lane_q = row0 + warp_row + lane / 4, lane_kv = col0 + 2 * (lane % 4);
+            const int tail = a.seqlen_k - lane_kv;  // element (nt, e) is past the end if >= tail
             // col - row - (sk - sq) for element (mt, nt, e) is diag + nt*8 + (e&1) - mt*16 - (e/2)*8
-            const int diag = lane_col - (row0 + warp_row + lane / 4) - (a.seqlen_k - a.seqlen_q);
+            const int diag = lane_kv - lane_q - (a.seqlen_k - a.seqlen_q);
             #pragma unroll
             for (int mt = 0; mt < C::kMTiles; ++mt)
                 #pragma unroll
@@ -234,6 +285,11 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdArgs<typename C::Elem>& 
                         bool masked = nt * 8 + (e & 1) >= tail;
                         if constexpr (C::kCausal)
                             masked |= diag + nt * 8 + (e & 1) - mt * 16 - (e / 2) * 8 > 0;
+                        if constexpr (Mods::kMaskMod)
+                            masked |= need_mod_mask && !mods.mask_mod(
+                                batch, head, min(lane_q + mt * 16 + (e / 2) * 8, a.seqlen_q - 1),
+                                min(lane_kv + nt * 8 + (e & 1), a.seqlen_k - 1), a.seqlen_q,
+                                a.seqlen_k);
                         if (masked) acc_s[mt][nt][e] = neg_inf();
                     }
         }

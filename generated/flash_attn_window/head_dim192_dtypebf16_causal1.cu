@@ -1,0 +1,74 @@
+// Generated from specs/flash_attn_window.yaml by `kernelgen render --generated`; do not edit.
+// flash_attn_window__head_dim192_dtypebf16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0
+// flash_attn_fwd: exact attention forward, FlashAttention-2 on mma.sync (see kernelgen/flash_fwd_sm80.cuh).
+//   O[b, i, h, :] = sum_j softmax_j(scale * Q[b, i, h, :] . K[b, j, h / (heads / heads_k), :]) V[b, j, ...]
+//   LSE[b, h, i]  = logsumexp_j(scale * Q[b, i, h, :] . K[b, j, ...])      (natural log, fp32)
+//   causal: query i sees keys j <= i + seqlen_k - seqlen_q (bottom-right aligned).
+// Variant: head_dim=192 dtype=bf16 causal=true arch=sm_80
+// Config:  block_m=128 block_n=32 warps=8 stages=2 grid_order=0
+#include "kernelgen/flash_fwd_sm80.cuh"
+
+using elem_t = kg::bf16_t;
+using Config = kg::FwdConfig<elem_t, /*HEAD_DIM=*/192, /*BLOCK_M=*/128,
+                             /*BLOCK_N=*/32, /*WARPS=*/8,
+                             /*STAGES=*/2, /*CAUSAL=*/true,
+                             /*GRID_ORDER=*/0>;
+static_assert(Config::kSmemBytes == 102400, "spec's smem formula disagrees with the kernel");
+
+// The spec's attention modifiers (kernelgen/flash_fwd_sm80.cuh says what each one does).
+struct Mods {
+    int window_left;
+    int window_right;
+    static constexpr int head_dim = 192;
+    static constexpr bool causal = true;
+    static constexpr bool kScoreMod = false;
+    static constexpr bool kMaskMod = true;
+    static constexpr bool kKvRange = true;
+
+    __device__ __forceinline__ float score_mod(float score, int batch, int head, int q_idx,
+                                               int kv_idx, int seqlen_q, int seqlen_k) const {
+        return score;
+    }
+    __device__ __forceinline__ bool mask_mod(int batch, int head, int q_idx, int kv_idx,
+                                             int seqlen_q, int seqlen_k) const {
+#line 13 "specs/flash_attn_window.yaml"
+        return ((window_left < 0 || kv_idx >= q_idx + seqlen_k - seqlen_q - window_left) && (window_right < 0 || kv_idx <= q_idx + seqlen_k - seqlen_q + window_right));
+#line 35 "flash_attn_window__head_dim192_dtypebf16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+    }
+    __device__ __forceinline__ int kv_lo(int q_first, int q_last, int batch, int head,
+                                        int seqlen_q, int seqlen_k) const {
+#line 17 "specs/flash_attn_window.yaml"
+        return (window_left < 0 ? 0 : q_first + seqlen_k - seqlen_q - window_left);
+#line 41 "flash_attn_window__head_dim192_dtypebf16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+    }
+    __device__ __forceinline__ int kv_hi(int q_first, int q_last, int batch, int head,
+                                        int seqlen_q, int seqlen_k) const {
+#line 18 "specs/flash_attn_window.yaml"
+        return (window_right < 0 ? seqlen_k : q_last + seqlen_k - seqlen_q + window_right + 1);
+#line 47 "flash_attn_window__head_dim192_dtypebf16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+    }
+    __device__ __forceinline__ int full_lo(int q_first, int q_last, int batch, int head,
+                                        int seqlen_q, int seqlen_k) const {
+#line 19 "specs/flash_attn_window.yaml"
+        return (window_left < 0 ? 0 : q_last + seqlen_k - seqlen_q - window_left);
+#line 53 "flash_attn_window__head_dim192_dtypebf16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+    }
+    __device__ __forceinline__ int full_hi(int q_first, int q_last, int batch, int head,
+                                        int seqlen_q, int seqlen_k) const {
+#line 20 "specs/flash_attn_window.yaml"
+        return (window_right < 0 ? (1 << 30) : q_first + seqlen_k - seqlen_q + window_right + 1);
+#line 59 "flash_attn_window__head_dim192_dtypebf16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+    }
+};
+
+extern "C" __global__ void __launch_bounds__(Config::kThreads)
+flash_attn_fwd(const elem_t* q, const elem_t* k, const elem_t* v, elem_t* o, float* lse, long long q_stride_b, long long q_stride_s, long long q_stride_h, long long k_stride_b, long long k_stride_s, long long k_stride_h, long long v_stride_b, long long v_stride_s, long long v_stride_h, long long o_stride_b, long long o_stride_s, long long o_stride_h, int batch, int heads, int heads_k, int seqlen_q, int seqlen_k, float softmax_scale, int window_left, int window_right) {
+    const kg::FwdArgs<elem_t> args{q, k, v, o, lse,
+                                   q_stride_b, q_stride_s, q_stride_h,
+                                   k_stride_b, k_stride_s, k_stride_h,
+                                   v_stride_b, v_stride_s, v_stride_h,
+                                   o_stride_b, o_stride_s, o_stride_h,
+                                   batch, heads, heads_k, seqlen_q, seqlen_k, softmax_scale};
+    const Mods mods{window_left, window_right};
+    kg::flash_fwd_sm80<Config>(args, mods);
+}
