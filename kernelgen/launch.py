@@ -14,8 +14,11 @@ from dataclasses import dataclass
 
 from kernelgen.compile import Binary
 
-# struct codes and sizes (= alignments) of the kernel parameter types.
-_FORMATS = {"ptr": ("Q", 8), "i64": ("q", 8), "i32": ("i", 4), "f32": ("f", 4)}
+# struct codes, sizes and alignments of the kernel parameter types. A tensor map (CUtensorMap,
+# passed by value as a __grid_constant__ parameter) is 128 opaque bytes aligned to 64.
+_FORMATS = {"ptr": ("Q", 8, 8), "i64": ("q", 8, 8), "i32": ("i", 4, 4), "f32": ("f", 4, 4),
+            "tmap": ("128s", 128, 64)}
+_BUFFER_ALIGN = 64  # the strictest alignment above
 _DEFAULT_SMEM_LIMIT = 48 * 1024  # beyond this a function must opt in (MAX_DYNAMIC_SHARED_SIZE_BYTES)
 
 
@@ -78,14 +81,16 @@ class Kernel:
         # struct.pack_into per launch; kernelParams is a fixed array of pointers into it.
         fmt, offsets, offset = "<", [], 0
         for t in self.arg_types:
-            code, size = _FORMATS[t]
-            pad = -offset % size
+            code, size, align = _FORMATS[t]
+            pad = -offset % align
             fmt += "x" * pad + code
             offsets.append(offset + pad)
             offset += pad + size
         self._packer = struct.Struct(fmt)
-        self._buffer = ctypes.create_string_buffer(max(8, self._packer.size))
-        base = ctypes.addressof(self._buffer)
+        self._buffer = ctypes.create_string_buffer(max(8, self._packer.size) + _BUFFER_ALIGN)
+        # Values start at an aligned address inside the buffer, so every offset is aligned too.
+        self._start = -ctypes.addressof(self._buffer) % _BUFFER_ALIGN
+        base = ctypes.addressof(self._buffer) + self._start
         self._pointers = (ctypes.c_void_p * max(1, len(offsets)))(*[base + o for o in offsets])
         self._params_address = ctypes.addressof(self._pointers)
         self._streams: dict[int, object] = {}
@@ -132,7 +137,7 @@ class Kernel:
         if handle is None:
             handle = self._streams[stream] = driver.CUstream(stream)
         with self._lock:  # the parameter storage is shared; the driver copies it at launch
-            self._packer.pack_into(self._buffer, 0, *args)
+            self._packer.pack_into(self._buffer, self._start, *args)
             err, = driver.cuLaunchKernel(
                 loaded.function, grid[0], grid[1], grid[2], block[0], block[1], block[2],
                 smem, handle, self._params_address, 0,

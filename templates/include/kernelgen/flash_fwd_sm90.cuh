@@ -1,0 +1,305 @@
+// FlashAttention forward for Hopper (sm_90a): TMA loads, an mbarrier pipeline, wgmma, and warp
+// specialization (FA3's structure without pingpong or intra-warpgroup overlap yet).
+//
+// One CTA computes BLOCK_M query rows of one (batch, head). Warpgroup 0 is the producer: after
+// setmaxnreg.dec one thread issues every TMA load (Q once, then K and V tiles of BLOCK_N rows
+// through a STAGES-deep ring). Warpgroups 1..BLOCK_M/64 are consumers (setmaxnreg.inc), 64 query
+// rows each: S = Q K^T by wgmma with both operands in shared memory (SS), the online softmax in
+// fp32 registers (the math of flash_fwd_sm80.cuh), then O += P V by wgmma with P straight from
+// registers (RS) and V read MN-major (transposed) from shared memory.
+//
+// Rings: for each stage s, full_k[s] / full_v[s] (one arrival from the producer's expect_tx plus
+// the tile's TMA bytes) and empty_k[s] / empty_v[s] (one arrival per consumer warp once its wgmmas
+// that read the slot have completed). Iteration i uses stage i % STAGES with parity (i / STAGES) & 1
+// on full barriers; the producer waits on empty barriers with the opposite parity, which a fresh
+// barrier already satisfies, so the first round starts at once.
+//
+// Shared memory (1024-aligned): Q [panels][BLOCK_M][SWIZZLE B] | K [STAGES][panels][BLOCK_N][SWIZZLE B]
+// | V (same) | barriers. A panel holds SWIZZLE/2 columns of head_dim (64 for 128B swizzle, 32 for
+// head dims that are not a multiple of 64) for every row of the tile, as TMA writes it with a
+// rank-5 box {SWIZZLE/2, rows, panels, 1, 1}. KV blocks are visited last to first (the masked
+// tail and causal diagonal first), like FA3.
+#pragma once
+#include "kernelgen/flash_fwd_sm80.cuh"  // FwdArgs: the argument list both families share
+#include "kernelgen/mbarrier.cuh"
+#include "kernelgen/tma.cuh"
+#include "kernelgen/wgmma.cuh"
+
+namespace kg {
+
+// QkGemm::mma(float (&)[BLOCK_N / 2], u64 desc_q, u64 desc_k, int accumulate) and
+// PvGemm::mma(float (&)[HEAD_DIM / 2], const u32 (&p)[4], u64 desc_v): one k16 step each, rendered
+// by the template for this variant's N.
+template <class Elem_, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool CAUSAL,
+          class QkGemm_, class PvGemm_>
+struct Sm90Config {
+    using Elem = Elem_;
+    using QkGemm = QkGemm_;
+    using PvGemm = PvGemm_;
+    static constexpr int kHeadDim = HEAD_DIM, kBlockM = BLOCK_M, kBlockN = BLOCK_N;
+    static constexpr int kStages = STAGES;
+    static constexpr bool kCausal = CAUSAL;
+    static constexpr int kConsumers = BLOCK_M / 64;          // one warpgroup per 64 query rows
+    static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
+    // Per-thread register budgets after setmaxnreg (FA3's: 24/240 for 2 consumers, 32/160 for 3).
+    static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
+    static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
+    static constexpr int kSwizzle = HEAD_DIM % 64 == 0 ? 128 : 64;  // bytes per panel row
+    static constexpr int kPanel = kSwizzle / 2;                     // head_dim columns per panel
+    static constexpr int kPanels = HEAD_DIM / kPanel;
+    static constexpr int kStepsPerPanel = kPanel / 16;              // k16 steps inside a panel
+    static constexpr u32 kTileQ = BLOCK_M * HEAD_DIM * 2, kTileKV = BLOCK_N * HEAD_DIM * 2;
+    static constexpr u32 kOffK = kTileQ, kOffV = kOffK + STAGES * kTileKV;
+    static constexpr u32 kOffBarriers = kOffV + STAGES * kTileKV;
+    static constexpr int kBarriers = 1 + 4 * STAGES;  // full_q, full_k[], empty_k[], full_v[], empty_v[]
+    static constexpr u32 kSmemBytes = 1024 + kOffBarriers + 8 * kBarriers;  // + 1024: realignment
+
+    static_assert(BLOCK_M == 128 || BLOCK_M == 192, "two or three consumer warpgroups");
+    static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "P splits into k16 steps; wgmma N <= 256");
+    static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "whole 64B panels; wgmma N <= 256");
+    static_assert(kTileQ % 1024 == 0 && kTileKV % 1024 == 0, "every panel stays 1024-aligned");
+    static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "register file");
+    static_assert(STAGES >= 2, "a ring of one stage cannot overlap loads with math");
+};
+
+template <class C>
+struct Sm90Barriers {
+    u32 base;
+    __device__ __forceinline__ u32 full_q() const { return base; }
+    __device__ __forceinline__ u32 full_k(int s) const { return base + 8 * (1 + s); }
+    __device__ __forceinline__ u32 empty_k(int s) const { return base + 8 * (1 + C::kStages + s); }
+    __device__ __forceinline__ u32 full_v(int s) const { return base + 8 * (1 + 2 * C::kStages + s); }
+    __device__ __forceinline__ u32 empty_v(int s) const { return base + 8 * (1 + 3 * C::kStages + s); }
+};
+
+// The producer thread: Q once, then K and V of every KV block this tile sees, last block first.
+template <class C>
+__device__ __forceinline__ void sm90_produce(u32 smem, Sm90Barriers<C> bar, const TensorMap& map_q,
+                                             const TensorMap& map_k, const TensorMap& map_v,
+                                             int row0, int head, int kv_head, int batch,
+                                             int n_blocks) {
+    tma_prefetch(map_q);
+    tma_prefetch(map_k);
+    tma_prefetch(map_v);
+    mbarrier_arrive_expect_tx(bar.full_q(), C::kTileQ);
+    tma_load_5d(smem, map_q, bar.full_q(), 0, row0, 0, head, batch, kEvictFirst);
+    for (int i = 0; i < n_blocks; ++i) {
+        const int s = i % C::kStages;
+        const u32 parity = (i / C::kStages) & 1;
+        const int col0 = (n_blocks - 1 - i) * C::kBlockN;
+        mbarrier_wait(bar.empty_k(s), parity ^ 1);
+        mbarrier_arrive_expect_tx(bar.full_k(s), C::kTileKV);
+        tma_load_5d(smem + C::kOffK + s * C::kTileKV, map_k, bar.full_k(s), 0, col0, 0, kv_head,
+                    batch, kEvictLast);
+        mbarrier_wait(bar.empty_v(s), parity ^ 1);
+        mbarrier_arrive_expect_tx(bar.full_v(s), C::kTileKV);
+        tma_load_5d(smem + C::kOffV + s * C::kTileKV, map_v, bar.full_v(s), 0, col0, 0, kv_head,
+                    batch, kEvictLast);
+    }
+}
+
+// Byte offset of element (row, col) in a panel-swizzled tile of `rows` rows.
+template <class C>
+__device__ __forceinline__ u32 panel_offset(int rows, int row, int col) {
+    return (col / C::kPanel) * rows * C::kSwizzle +
+           swizzle<C::kSwizzle>(row * C::kSwizzle + (col % C::kPanel) * 2);
+}
+
+// One consumer warpgroup: query rows 64 * wg .. 64 * wg + 63 of the tile.
+template <class C>
+__device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a, unsigned char* smem,
+                                             u32 smem_u32, Sm90Barriers<C> bar, int wg, int row0,
+                                             int q_rows, int n_blocks, typename C::Elem* o,
+                                             float* lse) {
+    using Elem = typename C::Elem;
+    constexpr int kSw = C::kSwizzle;
+    constexpr int kAccS = C::kBlockN / 2, kAccO = C::kHeadDim / 2;  // fp32 registers per thread
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+
+    // Descriptors of each operand's first k16 step; steps add their byte offset >> 4.
+    const u64 desc_q = desc_k_major<kSw>(smem_u32 + wg * 64 * kSw);
+    const u64 desc_k = desc_k_major<kSw>(smem_u32 + C::kOffK);
+    const u64 desc_v = desc_mn_major<kSw>(smem_u32 + C::kOffV, C::kBlockN * kSw);
+
+    float acc_o[kAccO];
+    #pragma unroll
+    for (int i = 0; i < kAccO; ++i) acc_o[i] = 0.f;
+    float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};
+    const float scale_log2 = a.softmax_scale * kLog2e;
+    const int wg_row0 = row0 + wg * 64;
+    const int lane_row = wg_row0 + warp * 16 + lane / 4;  // this thread's rows: lane_row, +8
+
+    mbarrier_wait(bar.full_q(), 0);
+    for (int i = 0; i < n_blocks; ++i) {
+        const int s = i % C::kStages;
+        const u32 parity = (i / C::kStages) & 1;
+        const int col0 = (n_blocks - 1 - i) * C::kBlockN;
+        const u64 desc_k_s = desc_k + ((s * C::kTileKV) >> 4);
+        const u64 desc_v_s = desc_v + ((s * C::kTileKV) >> 4);
+
+        // S = Q K^T (fp32, unscaled): head_dim / 16 k-steps, the first one overwrites S.
+        float acc_s[kAccS];
+        mbarrier_wait(bar.full_k(s), parity);
+        fence_operands(acc_s);
+        wgmma_fence();
+        #pragma unroll
+        for (int kk = 0; kk < C::kHeadDim / 16; ++kk) {
+            const int panel = kk / C::kStepsPerPanel, step = kk % C::kStepsPerPanel;
+            C::QkGemm::mma(acc_s, desc_q + ((panel * C::kBlockM * kSw + step * 32) >> 4),
+                           desc_k_s + ((panel * C::kBlockN * kSw + step * 32) >> 4), kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(acc_s);
+        if (lane == 0) mbarrier_arrive(bar.empty_k(s));
+
+        // Mask keys past seqlen_k and, for causal, past each row's diagonal (bottom-right aligned:
+        // row r sees keys <= r + seqlen_k - seqlen_q); only blocks that straddle a boundary pay.
+        bool need_mask = col0 + C::kBlockN > a.seqlen_k;
+        if constexpr (C::kCausal)
+            need_mask |= col0 + C::kBlockN - 1 > wg_row0 + a.seqlen_k - a.seqlen_q;
+        if (need_mask) {
+            const int lane_col = col0 + 2 * (lane % 4);
+            const int tail = a.seqlen_k - lane_col;  // element (i, e) is past the end if >= tail
+            // col - row - (sk - sq) of element (i, e) is diag + i*8 + (e&1) - (e/2)*8
+            const int diag = lane_col - lane_row - (a.seqlen_k - a.seqlen_q);
+            #pragma unroll
+            for (int i = 0; i < C::kBlockN / 8; ++i)
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    bool masked = i * 8 + (e & 1) >= tail;
+                    if constexpr (C::kCausal) masked |= diag + i * 8 + (e & 1) - (e / 2) * 8 > 0;
+                    if (masked) acc_s[4 * i + e] = neg_inf();
+                }
+        }
+
+        // Online softmax on rows lane_row (h = 0) and lane_row + 8 (h = 1); see flash_fwd_sm80.cuh.
+        // P goes to 16-bit pairs laid out as the A operand of k-step i / 2 (wgmma.cuh).
+        u32 p[C::kBlockN / 16][4];
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float mx = row_max[h];
+            #pragma unroll
+            for (int i = 0; i < C::kBlockN / 8; ++i)
+                mx = fmaxf(mx, fmaxf(acc_s[4 * i + 2 * h], acc_s[4 * i + 2 * h + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            // A row that has seen only masked keys keeps m = -inf: use 0 so that (-inf) - (-inf)
+            // never happens; its p and alpha are then exp2(-inf) = 0.
+            const float m_scaled = mx == neg_inf() ? 0.f : mx * scale_log2;
+            const float alpha = exp2_approx(row_max[h] * scale_log2 - m_scaled);
+            row_max[h] = mx;
+            float sum = 0.f;
+            #pragma unroll
+            for (int i = 0; i < C::kBlockN / 8; ++i) {
+                const float p0 = exp2_approx(fmaf(acc_s[4 * i + 2 * h], scale_log2, -m_scaled));
+                const float p1 = exp2_approx(fmaf(acc_s[4 * i + 2 * h + 1], scale_log2, -m_scaled));
+                p[i / 2][(i % 2) * 2 + h] = pack2<Elem>(p0, p1);
+                sum += p0 + p1;
+            }
+            row_sum[h] = row_sum[h] * alpha + sum;  // per-lane partial; the quad reduces at the end
+            #pragma unroll
+            for (int i = 0; i < C::kHeadDim / 8; ++i) {
+                acc_o[4 * i + 2 * h] *= alpha;
+                acc_o[4 * i + 2 * h + 1] *= alpha;
+            }
+        }
+
+        // O += P V: BLOCK_N / 16 k-steps over the block's keys, 16 V rows (16 * SWIZZLE bytes) each.
+        mbarrier_wait(bar.full_v(s), parity);
+        fence_operands(acc_o);
+        #pragma unroll
+        for (int kk = 0; kk < C::kBlockN / 16; ++kk) fence_operands(p[kk]);
+        wgmma_fence();
+        #pragma unroll
+        for (int kk = 0; kk < C::kBlockN / 16; ++kk)
+            C::PvGemm::mma(acc_o, p[kk], desc_v_s + ((kk * 16 * kSw) >> 4));
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(acc_o);
+        if (lane == 0) mbarrier_arrive(bar.empty_v(s));
+    }
+
+    // Epilogue: O /= l, LSE = (m*c + log2 l) * ln2; rows with l == 0 saw no key: O = 0, LSE = -inf.
+    // O is staged in this warpgroup's own rows of the Q tile (every warp of it is past its last
+    // QK^T once the named barrier opens), then each warp stores its 16 rows in 16-byte chunks.
+    named_barrier_sync(1 + wg, 128);
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float l = row_sum[h];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const bool empty = !(l > 0.f);
+        const float inv = empty ? 0.f : 1.f / l;
+        const int r = wg * 64 + warp * 16 + lane / 4 + 8 * h;  // row inside the tile
+        if (lane % 4 == 0 && r < q_rows)
+            lse[r] = empty ? neg_inf() : (row_max[h] * scale_log2 + log2_approx(l)) * kLn2;
+        #pragma unroll
+        for (int i = 0; i < C::kHeadDim / 8; ++i)
+            *reinterpret_cast<u32*>(smem + panel_offset<C>(C::kBlockM, r, i * 8 + 2 * (lane % 4))) =
+                pack2<Elem>(acc_o[4 * i + 2 * h] * inv, acc_o[4 * i + 2 * h + 1] * inv);
+    }
+    __syncwarp();
+    constexpr int kChunks = C::kHeadDim / 8;  // 16-byte chunks per row
+    #pragma unroll
+    for (int idx = lane; idx < 16 * kChunks; idx += 32) {
+        const int r = wg * 64 + warp * 16 + idx / kChunks, c = (idx % kChunks) * 8;
+        if (r < q_rows)
+            *reinterpret_cast<uint4*>(o + r * a.o_stride_s + c) =
+                *reinterpret_cast<const uint4*>(smem + panel_offset<C>(C::kBlockM, r, c));
+    }
+}
+
+template <class C>
+__device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& a,
+                                               const TensorMap& map_q, const TensorMap& map_k,
+                                               const TensorMap& map_v) {
+    using Elem = typename C::Elem;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+
+    // Causal: the last query tiles see the most keys; launch them first.
+    const int m_block = C::kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int head = blockIdx.y, batch = blockIdx.z;
+    const int kv_head = head / (a.heads / a.heads_k);
+    const int row0 = m_block * C::kBlockM;
+    const int q_rows = min(a.seqlen_q - row0, C::kBlockM);
+    int kv_end = a.seqlen_k;
+    if constexpr (C::kCausal) kv_end = min(kv_end, row0 + q_rows + a.seqlen_k - a.seqlen_q);
+    const int n_blocks = kv_end > 0 ? cdiv(kv_end, C::kBlockN) : 0;
+
+    Elem* o = a.o + batch * a.o_stride_b + head * a.o_stride_h + row0 * a.o_stride_s;
+    float* lse = a.lse + (i64(batch) * a.heads + head) * a.seqlen_q + row0;
+    if (n_blocks == 0) {  // every row of the tile sees no key: O = 0, LSE = -inf
+        for (int i = threadIdx.x; i < q_rows * C::kHeadDim; i += C::kThreads)
+            o[(i / C::kHeadDim) * a.o_stride_s + i % C::kHeadDim] = Elem{0};
+        for (int i = threadIdx.x; i < q_rows; i += C::kThreads) lse[i] = neg_inf();
+        return;
+    }
+
+    // Swizzled tiles need 1024-byte alignment; the dynamic smem base is only guaranteed 16.
+    const u32 raw = smem_addr(smem_raw), base = (raw + 1023) & ~1023u;
+    unsigned char* smem = smem_raw + (base - raw);
+    const Sm90Barriers<C> bar{base + C::kOffBarriers};
+    if (threadIdx.x == 0) {
+        mbarrier_init(bar.full_q(), 1);
+        for (int s = 0; s < C::kStages; ++s) {
+            mbarrier_init(bar.full_k(s), 1);
+            mbarrier_init(bar.full_v(s), 1);
+            mbarrier_init(bar.empty_k(s), 4 * C::kConsumers);  // one arrival per consumer warp
+            mbarrier_init(bar.empty_v(s), 4 * C::kConsumers);
+        }
+        mbarrier_fence_init();
+    }
+    __syncthreads();  // the last CTA-wide barrier: the producer's idle threads exit below
+
+    if (threadIdx.x < 128) {
+        setmaxnreg_dec<C::kProducerRegs>();
+        if (threadIdx.x == 0)
+            sm90_produce<C>(base, bar, map_q, map_k, map_v, row0, head, kv_head, batch, n_blocks);
+        return;
+    }
+    setmaxnreg_inc<C::kConsumerRegs>();
+    sm90_consume<C>(a, smem, base, bar, threadIdx.x / 128 - 1, row0, q_rows, n_blocks, o, lse);
+}
+
+}  // namespace kg

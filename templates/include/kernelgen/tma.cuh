@@ -1,0 +1,35 @@
+// Tensor Memory Accelerator loads (sm_90). The tensor map is encoded on the host
+// (kernelgen/tma.py, cuTensorMapEncodeTiled) and passed by value as a `const __grid_constant__`
+// kernel parameter; NVRTC has no <cuda.h>, so CUtensorMap's 128 opaque, 64-byte aligned bytes are
+// declared here. Coordinates are in elements, innermost dimension first; boxes that reach past the
+// tensor's extent are zero-filled, which pads sequence tails for free.
+#pragma once
+#include "kernelgen/types.cuh"
+
+namespace kg {
+
+struct alignas(64) TensorMap {
+    u64 opaque[16];
+};
+
+// L2 eviction hints (the createpolicy encodings CUTLASS uses): Q is read by one CTA, K and V by
+// every query tile of a head.
+constexpr u64 kEvictFirst = 0x12F0000000000000ull;
+constexpr u64 kEvictLast = 0x14F0000000000000ull;
+
+__device__ __forceinline__ void tma_prefetch(const TensorMap& map) {
+    asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<u64>(&map)) : "memory");
+}
+
+// One box of a rank-5 map into shared memory at `dst`; completes `bytes of the box` on `bar`.
+__device__ __forceinline__ void tma_load_5d(u32 dst, const TensorMap& map, u32 bar, int c0, int c1,
+                                            int c2, int c3, int c4, u64 hint) {
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+        " [%0], [%1, {%3, %4, %5, %6, %7}], [%2], %8;"
+        :: "r"(dst), "l"(reinterpret_cast<u64>(&map)), "r"(bar),
+           "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "l"(hint)
+        : "memory");
+}
+
+}  // namespace kg

@@ -1,0 +1,213 @@
+"""The Hopper forward family on CPU: spec and arguments, tensor-map construction, the `tmap`
+launch argument, and what ptxas made of every shipped default (wgmma, setmaxnreg, TMA, no local
+memory). Numerics need an H200: tests/test_sm90_gpu.py."""
+from __future__ import annotations
+
+import ctypes
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from kernelgen import render, sass, tma
+from kernelgen import compile as compiler
+from kernelgen.compile import Binary
+from kernelgen.launch import Kernel
+from kernelgen.spec import load_spec
+
+SPEC = load_spec("flash_attn_fwd_sm90")
+
+
+# ---- the spec -------------------------------------------------------------------------------
+
+def test_arguments_extend_the_sm80_family():
+    """The same runtime arguments in the same order (one launcher drives both), then the maps."""
+    sm80 = load_spec("flash_attn_fwd")
+    shared = len(sm80.args)
+    assert [(a.name, a.type) for a in SPEC.args[:shared]] == [(a.name, a.type) for a in sm80.args]
+    assert [(a.name, a.type) for a in SPEC.args[shared:]] == [
+        ("tmap_q", "tmap"), ("tmap_k", "tmap"), ("tmap_v", "tmap")]
+    assert SPEC.archs == ("sm_90a",)
+    assert {p.name: p.values for p in SPEC.params} == {p.name: p.values for p in sm80.params}
+
+
+@pytest.mark.parametrize("variant", SPEC.variants(), ids=lambda v: v.slug)
+def test_default_configs_fit(variant):
+    env = SPEC.environment(variant, SPEC.default_config(variant))
+    assert env["smem_bytes"] <= env["max_smem"]
+    assert env["threads"] == 128 * (env["block_m"] // 64 + 1)
+    # wgmma N of both GEMMs is at most 256 and P splits into whole k16 steps.
+    assert env["block_n"] % 16 == 0 and env["block_n"] <= 256 and env["head_dim"] <= 256
+
+
+# ---- tensor maps (no driver needed) ---------------------------------------------------------
+
+def test_attention_map_of_a_contiguous_tensor():
+    # (batch 2, seqlen 1000, heads 8, head_dim 128) bf16, contiguous: 64-column panels.
+    m = tma.attention_map((2, 1000, 8, 128), (1000 * 8 * 128, 8 * 128, 128, 1), "bf16", 176, 128)
+    assert m.dims == (64, 1000, 2, 8, 2)
+    assert m.strides == (8 * 128 * 2, 128, 128 * 2, 1000 * 8 * 128 * 2)  # bytes
+    assert m.box == (64, 176, 2, 1, 1)
+    assert m.swizzle == 128 and m.dtype == "bf16"
+
+
+def test_attention_map_of_a_strided_view_with_64b_swizzle():
+    # head_dim 96 (not a multiple of 64): three 32-column panels; q out of a packed qkv tensor.
+    batch, seqlen, heads, head_dim = 3, 300, 4, 96
+    strides = (seqlen * 3 * heads * head_dim, 3 * heads * head_dim, head_dim, 1)
+    m = tma.attention_map((batch, seqlen, heads, head_dim), strides, "fp16", 128, 64)
+    assert m.dims == (32, 300, 3, 4, 3)
+    assert m.strides == (3 * heads * head_dim * 2, 64, head_dim * 2, strides[0] * 2)
+    assert m.box == (32, 128, 3, 1, 1)
+
+
+def test_empty_dimensions_are_clamped():
+    m = tma.attention_map((1, 0, 1, 64), (0, 64, 64, 1), "bf16", 128, 128)
+    assert m.dims == (64, 1, 1, 1, 1)
+
+
+@pytest.mark.parametrize("shape, strides, swizzle, rows, match", [
+    ((1, 16, 2, 96), (16 * 2 * 96, 2 * 96, 96, 1), 128, 64, "not a multiple of the 64-column"),
+    ((1, 16, 2, 64), (16 * 2 * 64, 2 * 64, 64, 2), 128, 64, "head_dim must be contiguous"),
+    ((1, 16, 2, 64), (16 * 2 * 68, 2 * 68 + 4, 68, 1), 128, 64, "seqlen stride must be a multiple"),
+    ((1, 16, 2, 64), (16 * 2 * 64, 2 * 64, 60, 1), 128, 64, "heads stride must be a multiple"),
+    ((1, 16, 2, 64), (16 * 2 * 64, 2 * 64, 64, 1), 32, 64, "swizzle must be one of"),
+    ((1, 16, 2, 64), (16 * 2 * 64, 2 * 64, 64, 1), 128, 512, "a box holds 1..256 rows"),
+])
+def test_attention_map_rejects_what_tma_cannot_describe(shape, strides, swizzle, rows, match):
+    with pytest.raises(ValueError, match=match):
+        tma.attention_map(shape, strides, "bf16", rows, swizzle)
+
+
+def test_encode_arguments_pass_the_binding_type_checks():
+    """cuda-bindings converts every argument before it needs libcuda: with the driver missing the
+    call fails for that reason only (a wrong type would be a TypeError first); with a driver it
+    encodes 128 bytes."""
+    from cuda.bindings import driver
+
+    m = tma.attention_map((2, 1000, 8, 128), (1000 * 8 * 128, 8 * 128, 128, 1), "bf16", 128, 128)
+    arguments = tma.encode_arguments(m, 0x7F0000001000)
+    assert arguments[1] == 5 and arguments[2] == 0x7F0000001000
+    assert [int(d) for d in arguments[3]] == list(m.dims)
+    assert [int(b) for b in arguments[5]] == list(m.box)
+    try:
+        err, tensor_map = driver.cuTensorMapEncodeTiled(*arguments)
+    except RuntimeError as error:  # cuda.pathfinder found no libcuda on this machine
+        assert "driver" in str(error)
+        return
+    if err == driver.CUresult.CUDA_SUCCESS:
+        assert len(tensor_map.opaque) * 8 == tma.MAP_BYTES
+    else:  # a driver without cuInit: the arguments got through the binding
+        assert err == driver.CUresult.CUDA_ERROR_NOT_INITIALIZED
+
+
+def test_encode_needs_an_aligned_address():
+    m = tma.attention_map((1, 16, 1, 64), (1024, 64, 64, 1), "bf16", 64, 128)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        tma.encode(m, 0x1008)
+
+
+def test_encode_is_cached_per_map_and_address(monkeypatch):
+    calls = []
+    monkeypatch.setattr(tma, "_encode", lambda m, address: calls.append(address) or bytes(128))
+    monkeypatch.setattr(tma, "_CACHE", {})
+    m = tma.attention_map((1, 16, 1, 64), (1024, 64, 64, 1), "bf16", 64, 128)
+    for address in (0x1000, 0x1000, 0x2000, 0x1000):
+        assert tma.encode(m, address) == bytes(128)
+    assert calls == [0x1000, 0x2000]
+
+
+# ---- the `tmap` launch argument --------------------------------------------------------------
+
+def test_tmap_arguments_are_packed_64_byte_aligned():
+    binary = Binary(name="probe", arch="sm_90a", entry="probe", cubin=b"", registers=0,
+                    spill_stores=0, spill_loads=0, stack_bytes=0, static_smem=0,
+                    compile_seconds=0.0, log="")
+    kernel = Kernel(binary, ("ptr", "i32", "tmap", "f32", "tmap", "i64"))
+    pointers = [kernel._pointers[i] for i in range(6)]
+    base = pointers[0]
+    assert [p - base for p in pointers] == [0, 8, 64, 192, 256, 384]
+    assert pointers[2] % 64 == 0 and pointers[4] % 64 == 0
+    first, second = bytes(range(128)), bytes(range(128, 256))
+    kernel._packer.pack_into(kernel._buffer, kernel._start, 0xABCDEF, -3, first, 0.5, second, 7)
+    assert ctypes.string_at(pointers[2], 128) == first
+    assert ctypes.string_at(pointers[4], 128) == second
+    assert ctypes.c_int.from_address(pointers[1]).value == -3
+    assert ctypes.c_uint64.from_address(pointers[0]).value == 0xABCDEF
+    assert ctypes.c_int64.from_address(pointers[5]).value == 7
+
+
+# ---- ptxas: degraded Hopper code fails the build (real compiles, not canned logs) ------------
+
+NO_LAUNCH_BOUNDS = r"""
+extern "C" __global__ void no_bounds(float* x) {
+    if (threadIdx.x < 128) { asm volatile("setmaxnreg.dec.sync.aligned.u32 24;"); return; }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");
+    x[threadIdx.x] = 1.f;
+}
+"""
+
+# An ordinary instruction writes an accumulator between two wgmmas of one group.
+TOUCHED_ACCUMULATOR = r"""
+__device__ __forceinline__ void mma(float (&d)[8], unsigned long long a, unsigned long long b) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, 1, 1, 1, 0, 0;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7])
+                 : "l"(a), "l"(b));
+}
+extern "C" __global__ void __launch_bounds__(128, 1) touched(float* x, unsigned long long a,
+                                                             unsigned long long b) {
+    float d[8];
+    for (int i = 0; i < 8; ++i) d[i] = x[i];
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+    mma(d, a, b);
+    d[0] = d[0] * x[threadIdx.x];
+    mma(d, a + 2, b + 2);
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    for (int i = 0; i < 8; ++i) x[i * 128 + threadIdx.x] = d[i];
+}
+"""
+
+
+@pytest.mark.parametrize("source, entry", [(NO_LAUNCH_BOUNDS, "no_bounds"),
+                                           (TOUCHED_ACCUMULATOR, "touched")])
+def test_degraded_hopper_code_fails_to_compile(cache_dir, source, entry):
+    with pytest.raises(compiler.CompileError, match=r"ptxas degraded .* \(warning C75(08|1[0-5])"):
+        compiler.compile_source(source, entry, entry, "sm_90a")
+
+
+# ---- every shipped default variant: the SASS of a warp-specialized wgmma kernel ---------------
+
+# tests/test_build.py compiles every variant (fp16 too) and checks for HGMMA and local memory; the
+# fp16 kernels differ from these only in the wgmma and cvt type suffixes, so the structure is
+# checked on the bf16 defaults and CI compiles them once more, not all twenty.
+BF16_VARIANTS = [v for v in SPEC.variants() if v["dtype"] == "bf16"]
+
+
+@pytest.fixture(scope="module")
+def built():
+    """The bf16 default variants, compiled once (NVRTC releases the GIL: threads run in parallel)."""
+    def compile_one(variant):
+        source = render.render(SPEC, variant, SPEC.default_config(variant))
+        binary = compiler.compile_source(source.text, source.name, source.entry, variant.arch)
+        return variant.slug, binary, sass.sass(binary.cubin)
+
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        return {slug: (binary, code) for slug, binary, code in pool.map(compile_one, BF16_VARIANTS)}
+
+
+@pytest.mark.parametrize("variant", BF16_VARIANTS, ids=lambda v: v.slug)
+def test_default_variant_sass(built, variant):
+    binary, code = built[variant.slug]
+    config = SPEC.default_config(variant)
+    found = sass.mnemonics(code)
+    # head_dim / 16 QK^T steps and block_n / 16 PV steps per KV block, all wgmma.
+    assert found["HGMMA"] == variant["head_dim"] // 16 + config["block_n"] // 16
+    assert found["USETMAXREG"] == 2         # the producer's dec and the consumers' inc
+    assert found["UTMALDG"] == 3            # Q, K and V, each one TMA load per tile
+    assert not sass.has_local_memory(code)
+    assert (binary.spill_stores, binary.spill_loads, binary.stack_bytes) == (0, 0, 0)
+    # The reported count is the launch-bound share (65536 / threads), not the setmaxnreg budgets.
+    assert binary.registers <= 65536 // (128 * (config["block_m"] // 64 + 1))

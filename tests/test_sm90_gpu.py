@@ -1,0 +1,133 @@
+"""GPU numerics of the Hopper forward (kernelgen.hopper, spec flash_attn_fwd_sm90) on an sm_90 GPU.
+
+The oracle is test_attention.py's `check` (float32 reference, FlashAttention's rule, LSE, rows that
+see no key, NaN-poisoned outputs); it calls `kernelgen.flash_attn_func`, which the fixture below
+points at the explicit sm90 call, since flash_attn_func does not dispatch to these kernels yet."""
+import pytest
+import torch
+
+from kernelgen.reference import attention_ref, max_error, rounding_allowance
+import test_attention
+from test_attention import check, make
+# Collected here too, so they run on the sm90 kernels (the fixture below).
+from test_attention import test_softmax_scale_and_large_values, test_strided_inputs  # noqa: F401
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
+                       reason="the sm_90a kernels run on Hopper (compute capability 9.0) only"),
+]
+
+# test_attention.py's grid without its two largest problems (4096 x 4096, 1000 x 4096): tails of
+# every kind, seqlen_q != seqlen_k both ways (bottom-right causal leaves rows with no key when
+# seqlen_q > seqlen_k), GQA ratios 1, 2, 8.
+SEQLENS = [s for s in test_attention.SEQLENS if s[0] * s[1] < 1000 * 4096]
+
+
+def forward(q, k, v, causal, softmax_scale=None):
+    from kernelgen.hopper import flash_attn_forward_sm90
+
+    return flash_attn_forward_sm90(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+
+@pytest.fixture(autouse=True)
+def sm90_behind_check(monkeypatch):
+    import kernelgen
+
+    def flash_attn_func(q, k, v, causal=False, softmax_scale=None, return_lse=False):
+        out, lse = forward(q, k, v, causal, softmax_scale)
+        return (out, lse) if return_lse else out
+
+    monkeypatch.setattr(kernelgen, "flash_attn_func", flash_attn_func)
+
+
+@pytest.mark.parametrize("head_dim", test_attention.HEAD_DIMS)
+@pytest.mark.parametrize("dtype", test_attention.DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_forward(head_dim, dtype, causal, seqlens):
+    test_attention.test_forward(head_dim, dtype, causal, seqlens)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_strided_inputs_64b_swizzle(causal):
+    test_strided_inputs(96, causal)  # head_dim 96: the 32-column panels
+
+
+def test_misaligned_view_is_copied_first():
+    """A view whose start is not 16-byte aligned cannot be a TMA source: it is made contiguous."""
+    torch.manual_seed(1)
+    flat = torch.randn(2 * 129 * 4 * 64 + 4, device="cuda", dtype=torch.bfloat16)
+    q = flat[4:].view(2, 129, 4, 64)
+    assert q.data_ptr() % 16 != 0
+    check(q, q, q, False)
+
+
+def test_gqa_ratios():
+    torch.manual_seed(2)
+    for heads, heads_k in ((8, 1), (8, 2), (6, 3)):
+        q = make(2, 333, heads, 128, torch.bfloat16)
+        k = make(2, 517, heads_k, 128, torch.bfloat16)
+        v = make(2, 517, heads_k, 128, torch.bfloat16)
+        check(q, k, v, False)
+        check(q, k, v, True)
+
+
+def test_fully_masked_rows_and_empty_keys():
+    torch.manual_seed(3)
+    # Causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k rows see no key, whole query
+    # tiles among them (they take the no-work path), others mixed with visible rows.
+    q = make(1, 700, 2, 64, torch.float16)
+    k = make(1, 90, 2, 64, torch.float16)
+    _, lse_ref = attention_ref(q, k, k, True)
+    assert (~torch.isfinite(lse_ref)).sum() == 2 * (700 - 90)
+    check(q, k, k, True)
+    # No keys at all: every row is empty.
+    empty = make(1, 0, 2, 64, torch.float16)
+    out, lse = forward(q, empty, empty, False)
+    torch.cuda.synchronize()
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+
+
+def test_agrees_with_the_sm80_family():
+    """Same inputs through flash_attn_func (mma.sync) and the Hopper kernels: both within the
+    rule of the reference, and close to each other."""
+    from kernelgen.ops import flash_attn_func
+
+    torch.manual_seed(4)
+    q, k, v = (make(2, 1024, 4, 128, torch.bfloat16) for _ in range(3))
+    out_80, lse_80 = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    out_90, lse_90 = forward(q, k, v, True)
+    torch.cuda.synchronize()
+    assert (lse_80 - lse_90).abs().max().item() < 2e-3
+    assert max_error(out_80, out_90) <= 2 * rounding_allowance(out_80) + 1e-2
+
+
+def test_repeated_call_compiles_encodes_and_loads_nothing(monkeypatch):
+    from kernelgen import cache, launch, tma
+
+    q = make(1, 300, 2, 128, torch.bfloat16)
+    forward(q, q, q, False)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a repeated call compiled, loaded or encoded a tensor map")
+
+    monkeypatch.setattr(cache, "compile_cached", fail)
+    monkeypatch.setattr(launch.Kernel, "_load", fail)
+    monkeypatch.setattr(tma, "_encode", fail)
+    forward(q, q, q, False)
+    torch.cuda.synchronize()
+
+
+def test_errors_name_the_argument():
+    from kernelgen.hopper import flash_attn_forward_sm90
+
+    q = make(1, 16, 2, 64, torch.bfloat16)
+    with pytest.raises(TypeError, match="k has dtype"):
+        flash_attn_forward_sm90(q, q.half(), q)
+    with pytest.raises(ValueError, match="head_dim 80 is not supported"):
+        x = make(1, 16, 2, 80, torch.bfloat16)
+        flash_attn_forward_sm90(x, x, x)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        flash_attn_forward_sm90(q, q, q, softmax_scale=-1.0)
