@@ -20,7 +20,8 @@ from kernelgen import api, launch
 from kernelgen import compile as compiler
 from kernelgen.bench import time_samples
 from kernelgen.reference import attention_ref, max_error, rounding_allowance
-from kernelgen.tune import Check, DeviceLimits, Problem, Timing, TuneError
+from kernelgen.search import Check, DeviceLimits, Timing
+from kernelgen.tune import Problem, TuneError
 from kernelgen.tunedb import Identity
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -68,7 +69,8 @@ class _Slice:
 class Workload:
     """The inputs of one tuning problem, output buffers, and the reference on slices of them."""
 
-    def __init__(self, spec, variant, problem: Problem, device: int, seed: int = 0):
+    def __init__(self, spec, variant, problem: Problem, device: int | str, seed: int = 0):
+        # device: a CUDA index; "cpu" serves the CPU tests of the check, with launchers of their own.
         names = tuple(a.name for a in spec.args)
         if sorted(names) != sorted(_POINTERS + _SCALARS) or {p.name for p in spec.params} != set(_PARAMS):
             raise TuneError(f"kernelgen tune makes inputs for attention specs with the args and "
@@ -79,11 +81,12 @@ class Workload:
                             "multiple of heads_k")
         self.device, self.names, self.causal = device, names, bool(variant["causal"])
         dtype, head_dim = _DTYPES[variant["dtype"]], variant["head_dim"]
-        generator = torch.Generator(device=f"cuda:{device}").manual_seed(seed)
+        place = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        generator = torch.Generator(device=place).manual_seed(seed)
 
         def randn(seqlen, heads):
-            return torch.randn(problem.batch, seqlen, heads, head_dim, device=f"cuda:{device}",
-                               dtype=dtype, generator=generator)
+            return torch.randn(problem.batch, seqlen, heads, head_dim, device=place, dtype=dtype,
+                               generator=generator)
 
         self.q, self.k, self.v = (randn(problem.seqlen_q, problem.heads),
                                   randn(problem.seqlen_k, problem.heads_k),
@@ -134,7 +137,8 @@ class Workload:
         self.out.fill_(float("nan"))
         self.lse.fill_(float("nan"))
         launch()
-        torch.cuda.synchronize(self.device)
+        if self.q.is_cuda:
+            torch.cuda.synchronize(self.device)
         worst, worst_bound = 0.0, 0.0
         for s in self.slices:
             out = self.out[s.batch:s.batch + 1, s.start:s.start + s.rows]

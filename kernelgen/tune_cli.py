@@ -11,13 +11,14 @@ import sys
 from dataclasses import dataclass
 
 from kernelgen import tune as tuning
+from kernelgen.search import STATUSES
 from kernelgen.cli import _assignments, _param_value   # the --set parsing of `kernelgen render`
 from kernelgen.spec import load_spec
 from kernelgen.tune import Problem, TuneError, TuneResult
 
 SHAPE_KEYS = ("batch", "heads", "heads_k", "seqlen", "seqlen_q", "seqlen_k")
 GRID_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
-_STATUS_ORDER = {status: i for i, status in enumerate(tuning.STATUSES)}
+_STATUS_ORDER = {status: i for i, status in enumerate(STATUSES)}
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""tune.py on the CPU: buckets, the search loop's rules with fake candidates, pruning by device
+"""tune.py and search.py on the CPU: buckets, the search loop's rules with fake candidates, pruning by device
 limits, lookup's order (memo, DB, shipped defaults, heuristic) with a fake GPU identity, tuning on a
 miss, CUDA-graph capture, the shipped-defaults file, and the `kernelgen tune` command line."""
 from __future__ import annotations
@@ -13,12 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import kernelgen
-from kernelgen import cache, env, tune, tune_cli, tunedb
+from kernelgen import cache, env, search, tune, tune_cli, tunedb
 from kernelgen import compile as compiler
 from kernelgen.cli import main as cli_main
 from kernelgen.spec import REPO_ROOT, Config, load_spec
-from kernelgen.tune import (Bucket, Built, Check, DeviceLimits, Problem, Timing, Trial, TuneError,
-                            TuneResult)
+from kernelgen.search import Built, Check, DeviceLimits, Timing, Trial
+from kernelgen.tune import Bucket, Problem, TuneError, TuneResult
 from kernelgen.tunedb import Identity, TuneDB
 
 FAKE_GPU = Identity(gpu="Fake GPU", capability="9.0", sm_count=132, driver=13000, nvrtc="13.0",
@@ -120,13 +120,13 @@ def test_a_wrong_candidate_never_wins_however_fast():
                   FakeCandidate(cfg(128, 48), 0.05, events=events, fail="run")]
     outcomes = {cfg(64, 32): compiler.CompileError("NVRTC failed to compile x\nmore lines"),
                 cfg(64, 48): Built(255, spill_stores=24, stack_bytes=24, smem=65536),
-                cfg(64, 96): tune.DeviceLimit("240000 B shared memory (with static) > 232448")}
+                cfg(64, 96): search.DeviceLimit("240000 B shared memory (with static) > 232448")}
     with ThreadPoolExecutor(3) as pool:
-        trials = tune.search(candidates, fake_build(outcomes), pool)
+        trials = search.search(candidates, fake_build(outcomes), pool)
     assert [t.config for t in trials] == [c.config for c in candidates]   # every trial is kept
     assert [t.status for t in trials] == ["ok", "wrong", "ok", "compile_error", "spills",
                                           "device_limit", "run_error", "run_error"]
-    chosen = tune.choose(trials)
+    chosen = search.choose(trials)
     assert chosen.config == cfg(256) and chosen.timing.median_ms == 1.5
     assert ("run", cfg(128)) not in events          # a wrong candidate is not even timed
     assert ("check", cfg(64, 32)) not in events and ("check", cfg(64, 48)) not in events
@@ -139,7 +139,7 @@ def test_a_wrong_candidate_never_wins_however_fast():
 def test_nothing_passes_nothing_is_chosen():
     candidates = [FakeCandidate(cfg(64), 0.1, correct=False)]
     with ThreadPoolExecutor(1) as pool:
-        assert tune.choose(tune.search(candidates, fake_build({}), pool)) is None
+        assert search.choose(search.search(candidates, fake_build({}), pool)) is None
 
 
 def test_timing_overlaps_compilation():
@@ -159,7 +159,7 @@ def test_timing_overlaps_compilation():
 
     candidates = [First(cfg(64), 1.0), FakeCandidate(cfg(128), 1.0), FakeCandidate(cfg(256), 1.0)]
     with ThreadPoolExecutor(3) as pool:
-        trials = tune.search(candidates, build, pool)
+        trials = search.search(candidates, build, pool)
     assert [t.status for t in trials] == ["ok", "ok", "ok"]
 
 
@@ -170,7 +170,7 @@ def test_timing_from_samples():
 
 def test_prune_by_device_limits(spec, variant):
     limits = DeviceLimits(max_smem=100_000, max_threads=128)
-    kept, rejected = tune.prune(spec, variant, limits)
+    kept, rejected = search.prune(spec, variant, limits)
     assert kept and rejected
     assert set(kept) | {t.config for t in rejected} == set(spec.valid_configs(variant))
     for config in kept:
@@ -190,11 +190,87 @@ def test_build_rejects_spills_and_static_smem_beyond_the_device(spec, variant, m
     config = cfg(128, 64)
     dynamic = int(spec.smem(spec.environment(variant, config)))
     monkeypatch.setattr(cache, "compile_cached", lambda s, a: fake_compile(s, a, spill=16))
-    built = tune.build(spec, variant, DeviceLimits(dynamic, 1024), config)
+    built = search.build(spec, variant, DeviceLimits(dynamic, 1024), config)
     assert built.spills and built.smem == dynamic and built.registers == 200
     monkeypatch.setattr(cache, "compile_cached", lambda s, a: fake_compile(s, a, static_smem=16))
-    with pytest.raises(tune.DeviceLimit, match="with static"):
-        tune.build(spec, variant, DeviceLimits(dynamic, 1024), config)
+    with pytest.raises(search.DeviceLimit, match="with static"):
+        search.build(spec, variant, DeviceLimits(dynamic, 1024), config)
+
+
+@pytest.mark.parametrize("seqlens", [(150, 400), (400, 150), (300, 300)])
+def test_the_check_accepts_the_reference_and_rejects_wrong_outputs(spec, seqlens):
+    torch = pytest.importorskip("torch")
+    from kernelgen import measure
+    from kernelgen.reference import attention_ref
+
+    variant = spec.variant("sm_90", head_dim=64, dtype="bf16", causal=True)
+    workload = measure.Workload(spec, variant, Problem(2, 2, 1, *seqlens), device="cpu")
+    ref_out, ref_lse = attention_ref(workload.q, workload.k, workload.v, causal=True)
+
+    def writes(out=None, lse=None):   # a 'kernel' that writes the given output
+        return lambda: (workload.out.copy_(ref_out if out is None else out),
+                        workload.lse.copy_(ref_lse if lse is None else lse))
+
+    assert workload.check(writes()).ok
+    assert not workload.check(writes(out=torch.zeros_like(ref_out))).ok
+    assert not workload.check(lambda: None).ok   # writes nothing: the NaN poison stays
+    if seqlens[1] >= seqlens[0]:   # otherwise the first rows see no key: 0 either way
+        first_tile_unwritten = ref_out.clone()
+        first_tile_unwritten[:, :64] = float("nan")
+        assert not workload.check(writes(out=first_tile_unwritten)).ok
+    last_row_off = ref_out.clone()
+    last_row_off[-1, -1] += 0.25
+    check = workload.check(writes(out=last_row_off))
+    assert not check.ok and f"batch 1, rows {seqlens[0] - 128}..{seqlens[0] - 1}" in check.note
+    assert "LSE error" in workload.check(writes(lse=ref_lse + 0.01)).note
+
+
+def test_the_workload_refuses_specs_it_cannot_feed(write_spec):
+    pytest.importorskip("torch")
+    from kernelgen import measure
+
+    toy = load_spec(write_spec())
+    with pytest.raises(TuneError, match="args and params of flash_attn_fwd"):
+        measure.Workload(toy, toy.variant(), PROBLEM, device="cpu")
+
+
+def test_tune_end_to_end_with_a_fake_gpu(fake_gpu, spec, variant, monkeypatch, capsys):
+    """tune() wired up: pruning, the pool, the DB row with every trial, the memo. The GPU parts
+    (device queries, inputs, candidates, compiling) are fakes; test_tune_gpu.py has the real run."""
+    torch = pytest.importorskip("torch")
+    import contextlib
+
+    from kernelgen import measure
+
+    wrong, fastest = cfg(64, 64), cfg(128, 64)
+
+    class Candidate(FakeCandidate):
+        def __init__(self, workload, spec, variant, config, rep_ms):
+            ms = 0.5 if config == wrong else 1.0 if config == fastest else 2.0 + config["block_n"] / 100
+            super().__init__(config, ms, correct=config != wrong)
+
+    def fake_compile(source, arch):
+        return compiler.Binary(name=source.name, arch=arch, entry=source.entry, cubin=b"x",
+                               registers=128, spill_stores=0, spill_loads=0, stack_bytes=0,
+                               static_smem=0, compile_seconds=0.1, log="")
+
+    monkeypatch.setattr(measure, "device_limits", lambda device: DeviceLimits(120_000, 1024))
+    monkeypatch.setattr(measure, "Workload", lambda *args: None)
+    monkeypatch.setattr(measure, "AttentionCandidate", Candidate)
+    monkeypatch.setattr(cache, "compile_cached", fake_compile)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    result = tune.tune(spec, PROBLEM, variant=variant, device=0, progress=True)
+    assert result.chosen.config == fastest
+    assert {t.config for t in result.trials} == set(spec.valid_configs(variant))
+    statuses = {t.config: t.status for t in result.trials}
+    assert statuses[wrong] == "wrong" and "device_limit" in statuses.values()
+    assert tune.resolve(spec, variant, PROBLEM, device=0) == tune.Choice(fastest, "tuned")
+    tune.clear_memo()
+    assert tune.resolve(spec, variant, PROBLEM, device=0) == tune.Choice(fastest, "db")
+    (run,) = TuneDB().dump()
+    assert len(run["trials"]) == len(result.trials) and run["time_ms"] == 1.0
+    assert json.loads(run["problem"]) == PROBLEM.as_dict()
+    assert variant.slug in capsys.readouterr().err   # the progress bar
 
 
 # ---- lookup ---------------------------------------------------------------------------------
