@@ -11,7 +11,7 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
-    "load": "kernelgen.api",
+    "load": "kernelgen.attention",
     "BoundKernel": "kernelgen.api",
     "flash_attn_func": "kernelgen.ops",
     "load_spec": "kernelgen.spec",

@@ -159,12 +159,22 @@ def _scale(q, softmax_scale) -> float:
 
 
 def flash_attn_func(q, k, v, causal: bool = False, softmax_scale: float | None = None,
-                    return_lse: bool = False, deterministic: bool = False):
+                    return_lse: bool = False, deterministic: bool = False,
+                    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    alibi_slopes: torch.Tensor | None = None):
     """Exact attention, FlashAttention layout: q (batch, seqlen_q, heads, head_dim), k and v
     (batch, seqlen_k, heads_k, head_dim) with heads_k dividing heads (GQA/MQA). Causal masks are
     aligned bottom-right. Returns out (like q) and, with return_lse, lse (batch, heads, seqlen_q)
     in float32 (natural log). Differentiable in q, k, v (through `out`); `deterministic=True`
-    makes the backward bitwise reproducible. Traceable by torch.compile (a torch.library op)."""
+    makes the backward bitwise reproducible. Traceable by torch.compile (a torch.library op).
+    Modifiers (forward only for now): window_size=(left, right) sliding window (-1: unbounded
+    side), softcap=c (c * tanh(s / c) on the scaled scores), alibi_slopes (float32, (heads,) or
+    (batch, heads)): one at a time."""
+    if window_size != (-1, -1) or softcap or alibi_slopes is not None:
+        from kernelgen.attention import builtin_forward
+
+        return builtin_forward(q, k, v, causal, softmax_scale, return_lse, window_size, softcap,
+                               alibi_slopes)
     needs_op = torch.compiler.is_compiling() or (
         torch.is_grad_enabled() and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
         and isinstance(v, torch.Tensor) and (q.requires_grad or k.requires_grad or v.requires_grad))

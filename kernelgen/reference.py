@@ -19,8 +19,13 @@ def causal_mask(seqlen_q: int, seqlen_k: int, device) -> torch.Tensor:
     return cols <= rows + (seqlen_k - seqlen_q)
 
 
-def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True):
-    """Returns (out in q's dtype, lse in float32 of shape (batch, heads, seqlen_q))."""
+def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True, score_mod=None,
+                  mask_mod=None):
+    """Returns (out in q's dtype, lse in float32 of shape (batch, heads, seqlen_q)).
+
+    score_mod(scores, b, h, i, j) and mask_mod(b, h, i, j) mirror a spec's mods: scores are the
+    scaled (batch, heads, seqlen_q, seqlen_k) logits and b, h, i, j broadcastable index tensors;
+    mask_mod returns True where a key is visible."""
     dtype = q.dtype
     if upcast:
         q, k, v = q.float(), k.float(), v.float()
@@ -31,6 +36,12 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True):
         k = k.repeat_interleave(heads // heads_k, dim=2)
         v = v.repeat_interleave(heads // heads_k, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q * scale, k)
+    if score_mod is not None or mask_mod is not None:
+        b, h, i, j = _indices(batch, heads, seqlen_q, seqlen_k, q.device)
+        if score_mod is not None:
+            scores = score_mod(scores.float(), b, h, i, j).to(scores.dtype)
+        if mask_mod is not None:
+            scores = scores.masked_fill(~mask_mod(b, h, i, j), float("-inf"))
     if causal:
         scores = scores.masked_fill(~causal_mask(seqlen_q, seqlen_k, q.device), float("-inf"))
     lse = torch.logsumexp(scores.float(), dim=-1)
@@ -39,6 +50,13 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True):
     # The kernels round P to the input dtype before P.V; so does the reference.
     out = torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype if upcast else dtype), v)
     return out.to(dtype), lse
+
+
+def _indices(batch, heads, seqlen_q, seqlen_k, device):
+    return (torch.arange(batch, device=device).view(-1, 1, 1, 1),
+            torch.arange(heads, device=device).view(1, -1, 1, 1),
+            torch.arange(seqlen_q, device=device).view(1, 1, -1, 1),
+            torch.arange(seqlen_k, device=device).view(1, 1, 1, -1))
 
 
 def rounding_allowance(out_ref: torch.Tensor) -> float:

@@ -9,7 +9,6 @@ import math
 
 import torch
 
-import kernelgen
 from kernelgen import api
 from kernelgen.bench import attention_flops, time_ms
 from kernelgen.reference import attention_ref, max_error, rounding_allowance
@@ -52,8 +51,8 @@ def main():
             rows = []
             for config in spec.valid_configs(variant):
                 try:
-                    kernel = kernelgen.load(spec, arch=arch, config=config.as_dict(), head_dim=head_dim,
-                                            dtype="bf16", causal=causal)
+                    kernel = api.load(spec, arch=arch, config=config.as_dict(), head_dim=head_dim,
+                                      dtype="bf16", causal=causal)
                 except Exception as exc:
                     rows.append((0.0, config.slug, f"compile failed: {str(exc)[:80]}"))
                     continue

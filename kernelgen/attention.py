@@ -1,0 +1,151 @@
+"""Attention specs with modifiers (score_mod, mask_mod: see docs/writing-specs.md) as callables.
+
+`kernelgen.load(spec, **params)` on a spec that extends flash_attn_fwd gives an AttentionKernel:
+called like flash_attn_func, with the spec's mod arguments as keywords. flash_attn_func's
+built-in options (window_size, softcap, alibi_slopes) are the shipped specs of this kind.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernelgen import api, ops
+from kernelgen.spec import KernelSpec, load_spec
+
+BASE_ARGS = tuple(a.name for a in load_spec(ops.FWD_SPEC).args)
+
+
+def is_attention_spec(spec: KernelSpec) -> bool:
+    """Specs whose kernel takes the forward's arguments first (those that extend flash_attn_fwd)."""
+    return tuple(a.name for a in spec.args[: len(BASE_ARGS)]) == BASE_ARGS
+
+
+class AttentionKernel:
+    """One variant of an attention spec, compiled for the GPU in hand (or `arch`)."""
+
+    def __init__(self, spec: KernelSpec, arch: str | None = None, config=None, **params):
+        self.spec, self.config = spec, config
+        self.variant = spec.variant(arch=spec.archs[0], **params)  # validates the params now
+        self.params = self.variant.as_dict()
+        self.mod_args = spec.args[len(BASE_ARGS):]
+        if arch is None and torch.cuda.is_available():
+            arch = api.pick_arch(spec)
+        self._kernels: dict[str, api.BoundKernel] = {}
+        if arch is not None:
+            self.kernel(arch)
+
+    def __repr__(self) -> str:
+        return f"AttentionKernel({self.spec.name}, {self.variant.slug})"
+
+    def kernel(self, arch: str) -> api.BoundKernel:
+        bound = self._kernels.get(arch)
+        if bound is None:
+            bound = self._kernels[arch] = api.load(self.spec, arch=arch, config=self.config,
+                                                   **self.params)
+        return bound
+
+    def __call__(self, q, k, v, softmax_scale: float | None = None, return_lse: bool = False,
+                 **mod_args):
+        ops._check_inputs(q, k, v)
+        if q.shape[-1] != self.params.get("head_dim", q.shape[-1]):
+            raise ValueError(f"q has head_dim {q.shape[-1]} but this kernel was built for "
+                             f"head_dim={self.params['head_dim']}")
+        if "dtype" in self.params and ops._DTYPES[q.dtype] != self.params["dtype"]:
+            raise TypeError(f"q is {q.dtype} but this kernel was built for dtype={self.params['dtype']}")
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            raise NotImplementedError(
+                f"{self.spec.name}: no backward pass for attention with mods yet; call it under "
+                "torch.no_grad() or on tensors that do not require grad")
+        extra = self._mod_values(mod_args, q.device)
+        scale = ops._scale(q, softmax_scale)
+        q, k, v = ops._aligned(q), ops._aligned(k), ops._aligned(v)
+        device = q.device.index
+        bound = self.kernel(api.pick_arch(self.spec, device))
+        batch, seqlen_q, heads, head_dim = q.shape
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+        if out.numel():
+            scalars = {"batch": batch, "heads": heads, "heads_k": k.shape[2],
+                       "seqlen_q": seqlen_q, "seqlen_k": k.shape[1]}
+            values = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                      *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+                      batch, heads, k.shape[2], seqlen_q, k.shape[1], scale, *extra)
+            bound.launch(values, bound.grid({**scalars, **dict(zip(
+                (a.name for a in self.mod_args), extra))}), device, api._current_stream(device))
+        return (out, lse) if return_lse else out
+
+    def _mod_values(self, given: dict, device) -> tuple:
+        names = [a.name for a in self.mod_args]
+        missing = [n for n in names if n not in given]
+        extra = [n for n in given if n not in names]
+        if missing or extra:
+            raise TypeError(f"{self.spec.name}: missing mod arguments {missing}, unexpected "
+                            f"{extra}; it takes {names}")
+        values = []
+        for arg in self.mod_args:
+            value = given[arg.name]
+            if arg.type == "ptr":
+                if not isinstance(value, torch.Tensor):
+                    raise TypeError(f"{arg.name} must be a tensor, got {type(value).__name__}")
+                if value.device != device:
+                    raise ValueError(f"{arg.name} is on {value.device} but q is on {device}")
+                if not value.is_contiguous():
+                    raise ValueError(f"{arg.name} must be contiguous")
+                values.append(value.data_ptr())
+            elif arg.type == "f32":
+                values.append(float(value))
+            else:
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise TypeError(f"{arg.name} must be an int, got {value!r}")
+                values.append(value)
+        return tuple(values)
+
+
+def load(spec, *, arch: str | None = None, config=None, **params):
+    """`kernelgen.load`: an AttentionKernel for attention specs, else the raw BoundKernel."""
+    spec = spec if isinstance(spec, KernelSpec) else load_spec(spec)
+    if is_attention_spec(spec):
+        return AttentionKernel(spec, arch=arch, config=config, **params)
+    return api.load(spec, arch=arch, config=config, **params)
+
+
+_BUILTINS: dict[tuple, AttentionKernel] = {}
+
+
+def builtin_forward(q, k, v, causal, softmax_scale, return_lse, window_size, softcap,
+                    alibi_slopes):
+    """flash_attn_func with one of its modifier options."""
+    active = [name for name, on in (("window_size", tuple(window_size) != (-1, -1)),
+                                    ("softcap", bool(softcap)),
+                                    ("alibi_slopes", alibi_slopes is not None)) if on]
+    if len(active) > 1:
+        raise NotImplementedError(f"combining {' and '.join(active)} is not supported yet: "
+                                  "write a spec with both mods (docs/writing-specs.md)")
+    ops._check_inputs(q, k, v)
+    name, extra = _builtin_args(active[0], q, window_size, softcap, alibi_slopes)
+    key = (name, q.shape[-1], ops._DTYPES[q.dtype], bool(causal))
+    kernel = _BUILTINS.get(key)
+    if kernel is None:
+        kernel = _BUILTINS[key] = AttentionKernel(load_spec(name), head_dim=q.shape[-1],
+                                                  dtype=ops._DTYPES[q.dtype], causal=bool(causal))
+    return kernel(q, k, v, softmax_scale=softmax_scale, return_lse=return_lse, **extra)
+
+
+def _builtin_args(option, q, window_size, softcap, alibi_slopes):
+    if option == "window_size":
+        left, right = window_size
+        for side, bound in (("left", left), ("right", right)):
+            if isinstance(bound, bool) or not isinstance(bound, int):
+                raise TypeError(f"window_size {side} must be an int (-1: unbounded), got {bound!r}")
+        return "flash_attn_window", {"window_left": left, "window_right": right}
+    if option == "softcap":
+        if not (isinstance(softcap, (int, float)) and softcap > 0):
+            raise ValueError(f"softcap must be a positive number (0: off), got {softcap!r}")
+        return "flash_attn_softcap", {"softcap": float(softcap)}
+    batch, heads = q.shape[0], q.shape[2]
+    if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
+        raise TypeError("alibi_slopes must be a float32 tensor of shape (heads,) or (batch, heads)")
+    if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes has shape {tuple(alibi_slopes.shape)}; expected ({heads},) "
+                         f"or ({batch}, {heads})")
+    stride_b = 0 if alibi_slopes.dim() == 1 else heads
+    return "flash_attn_alibi", {"alibi_slopes": alibi_slopes.contiguous(), "alibi_stride_b": stride_b}

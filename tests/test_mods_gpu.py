@@ -1,0 +1,111 @@
+"""GPU numerics of the modifier specs (softcap, sliding window, ALiBi, document masks, the
+tutorial's prefix LM) against the float32 reference applying the same modification."""
+import pytest
+import torch
+
+import kernelgen
+from kernelgen.reference import attention_ref, max_error, rounding_allowance
+from kernelgen.spec import REPO_ROOT
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def rand(*shape, dtype=torch.bfloat16, scale=1.0):
+    return torch.randn(*shape, device="cuda", dtype=dtype) * scale
+
+
+def check(got, q, k, v, causal=False, score_mod=None, mask_mod=None):
+    out, lse = got
+    torch.cuda.synchronize()
+    ref, lse_ref = attention_ref(q, k, v, causal, score_mod=score_mod, mask_mod=mask_mod)
+    pt, _ = attention_ref(q, k, v, causal, upcast=False, score_mod=score_mod, mask_mod=mask_mod)
+    assert not out.isnan().any()
+    err, err_pt = max_error(out, ref), max_error(pt, ref)
+    assert err <= 2 * err_pt + rounding_allowance(ref), (err, err_pt)
+    finite = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isfinite(lse), finite)
+    if finite.any():
+        assert (lse[finite] - lse_ref[finite]).abs().max().item() < 2e-3
+    assert torch.all(out[(~finite).transpose(1, 2)] == 0)
+
+
+SHAPES = [(1, 300, 300, 4, 2), (2, 200, 513, 4, 4), (2, 513, 200, 2, 1)]  # b, sq, sk, h, hk
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_softcap(head_dim, causal):
+    torch.manual_seed(head_dim)
+    for b, sq, sk, h, hk in SHAPES:
+        q, k, v = rand(b, sq, h, head_dim, scale=3), rand(b, sk, hk, head_dim, scale=3), rand(b, sk, hk, head_dim)
+        got = kernelgen.flash_attn_func(q, k, v, causal=causal, softcap=5.0, return_lse=True)
+        check(got, q, k, v, causal, score_mod=lambda s, *_: 5.0 * torch.tanh(s / 5.0))
+
+
+@pytest.mark.parametrize("window", [(16, 0), (64, 64), (-1, 32), (100, -1), (0, 0)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sliding_window(window, causal):
+    left, right = window
+    torch.manual_seed(left + 7 * right)
+    for b, sq, sk, h, hk in SHAPES:
+        q, k, v = rand(b, sq, h, 128), rand(b, sk, hk, 128), rand(b, sk, hk, 128)
+
+        def visible(bb, hh, i, j, shift=sk - sq):
+            return (((j >= i + shift - left) | (left < 0)) & ((j <= i + shift + right) | (right < 0)))
+
+        got = kernelgen.flash_attn_func(q, k, v, causal=causal, window_size=window, return_lse=True)
+        check(got, q, k, v, causal, mask_mod=visible)
+
+
+@pytest.mark.parametrize("per_batch", [False, True])
+def test_alibi(per_batch):
+    torch.manual_seed(per_batch)
+    for b, sq, sk, h, hk in SHAPES:
+        q, k, v = rand(b, sq, h, 64, dtype=torch.float16), rand(b, sk, hk, 64, dtype=torch.float16), rand(b, sk, hk, 64, dtype=torch.float16)
+        slopes = torch.rand((b, h) if per_batch else (h,), device="cuda") * 0.5
+        s4 = slopes.view(b if per_batch else 1, h, 1, 1)
+        for causal in (False, True):
+            got = kernelgen.flash_attn_func(q, k, v, causal=causal, alibi_slopes=slopes, return_lse=True)
+            check(got, q, k, v, causal,
+                  score_mod=lambda s, bb, hh, i, j: s - s4 * (i + sk - sq - j).abs().float())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_document_mask(causal):
+    torch.manual_seed(3)
+    batch, seqlen, heads = 2, 700, 4
+    kernel = kernelgen.load("flash_attn_document", head_dim=64, dtype="bf16", causal=causal)
+    # Random document lengths per sequence, packed back to back.
+    docs = torch.zeros(batch, seqlen, dtype=torch.int32, device="cuda")
+    for row in docs:
+        cuts = torch.sort(torch.randperm(seqlen - 1)[:5] + 1).values.tolist()
+        for n, (a, b) in enumerate(zip([0, *cuts], [*cuts, seqlen])):
+            row[a:b] = n
+    q, k, v = (rand(batch, seqlen, heads, 64) for _ in range(3))
+    got = kernel(q, k, v, doc_q=docs, doc_k=docs, return_lse=True)
+    same = (docs[:, :, None] == docs[:, None, :])[:, None]  # (batch, 1, seqlen_q, seqlen_k)
+    check(got, q, k, v, causal, mask_mod=lambda *_: same)
+
+
+def test_tutorial_prefix_lm():
+    kernel = kernelgen.load(str(REPO_ROOT / "examples" / "prefix_lm.yaml"), head_dim=64, dtype="bf16")
+    torch.manual_seed(5)
+    for prefix in (0, 37, 300, 1000):
+        q, k, v = (rand(2, 333, 4, 64) for _ in range(3))
+        got = kernel(q, k, v, prefix_len=prefix, return_lse=True)
+        check(got, q, k, v, mask_mod=lambda bb, hh, i, j: (j <= i) | (j < prefix))
+
+
+def test_mods_refuse_gradients_and_bad_arguments():
+    q = rand(1, 64, 2, 64).requires_grad_()
+    with pytest.raises(NotImplementedError, match="backward"):
+        kernelgen.flash_attn_func(q, q.detach(), q.detach(), softcap=3.0)
+    x = rand(1, 64, 2, 64)
+    with pytest.raises(NotImplementedError, match="combining"):
+        kernelgen.flash_attn_func(x, x, x, softcap=3.0, window_size=(4, 4))
+    with pytest.raises(ValueError, match="alibi_slopes has shape"):
+        kernelgen.flash_attn_func(x, x, x, alibi_slopes=torch.ones(3, device="cuda"))
+    kernel = kernelgen.load("flash_attn_softcap", head_dim=64, dtype="bf16")
+    with pytest.raises(TypeError, match="missing mod arguments \\['softcap'\\]"):
+        kernel(x, x, x)
