@@ -9,13 +9,14 @@
 
 The search loop (search.py) sees candidates only through check() and run(), so its rules are
 tested on the CPU with fakes; the GPU side of a candidate lives in measure.py, the command line in
-tune_cli.py. torch is imported only where a GPU is used: the compile workers and
-`kernelgen tune --export` do not need it.
+tune_cli.py. torch is imported only where a GPU is used: a memoized lookup, `kernelgen tune
+--export` and the shipped-defaults code do not need it.
 
 The module is callable, so `kernelgen.tune(...)` runs tune() and `kernelgen.tune.lookup` works.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -152,22 +153,23 @@ def _default_jobs(count: int) -> int:
     return max(1, min(count, (os.cpu_count() or 2) - 1))
 
 
-class _progress:
-    def __init__(self, enabled: bool, total: int, variant: Variant):
-        self.enabled, self.total, self.variant = enabled, total, variant
+@contextlib.contextmanager
+def _progress(enabled: bool, total: int, variant: Variant):
+    """on_trial for search(): a progress bar on stderr showing the best time so far."""
+    if not enabled:
+        yield None
+        return
+    from tqdm import tqdm
 
-    def __enter__(self):
-        if not self.enabled:
-            return None
-        from tqdm import tqdm
+    best = [math.inf]
+    with tqdm(total=total, desc=variant.slug, unit="config", file=sys.stderr, leave=False) as bar:
+        def on_trial(trial: Trial) -> None:
+            bar.update(1)
+            if trial.status == "ok" and trial.timing.median_ms < best[0]:
+                best[0] = trial.timing.median_ms
+                bar.set_postfix_str(f"best {trial.config.slug} {best[0]:.4f} ms")
 
-        self.bar = tqdm(total=self.total, desc=self.variant.slug, unit="config", file=sys.stderr,
-                        leave=False)
-        return lambda trial: self.bar.update(1)
-
-    def __exit__(self, *exc):
-        if self.enabled:
-            self.bar.close()
+        yield on_trial
 
 
 def _save(key: tunedb.Key, result: TuneResult) -> None:

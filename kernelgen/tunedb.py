@@ -207,7 +207,7 @@ class TuneDB:
         return self._with_retries(work, write=True)
 
     def _with_retries(self, work, write: bool):
-        recovered = False
+        recovered = prepared_again = False
         for attempt in range(_ATTEMPTS):
             try:
                 with self._connect() as db:
@@ -222,6 +222,10 @@ class TuneDB:
                     db.commit()
                     return result
             except sqlite3.OperationalError as error:
+                if "no such table" in str(error) and not prepared_again:
+                    _CHECKED.discard(self.path)   # the file was deleted under us: create it again
+                    prepared_again = True
+                    continue
                 if not _is_busy(error) or attempt == _ATTEMPTS - 1:
                     raise
                 time.sleep(random.uniform(0.01, 0.05) * (attempt + 1))

@@ -17,6 +17,7 @@ from kernelgen import cache, env, search, tune, tune_cli, tunedb
 from kernelgen import compile as compiler
 from kernelgen.cli import main as cli_main
 from kernelgen.spec import REPO_ROOT, Config, load_spec
+from kernelgen.render import render
 from kernelgen.search import Built, Check, DeviceLimits, Timing, Trial
 from kernelgen.tune import Bucket, Problem, TuneError, TuneResult
 from kernelgen.tunedb import Identity, TuneDB
@@ -556,3 +557,50 @@ def test_table(spec, variant):
     assert lines[-1].endswith("2.00x the default")
     top = tune_cli.format_table(result, top=1).splitlines()
     assert len(top) == 5 and top[3].startswith(slow.slug)   # the default stays in view
+
+
+def test_preset_subsets():
+    opts = tune_cli._parser().parse_args(["--preset", "fwd-grid", "--head-dims", "128", "--seqlens",
+                                          "4096", "8192", "--causal", "true"])
+    jobs = tune_cli._jobs(opts)
+    assert [(dict(j.params)["head_dim"], dict(j.params)["causal"], j.problem.seqlen_q) for j in jobs] == \
+        [(128, True, 4096), (128, True, 8192)]
+
+
+def test_the_command_line_flow(fake_gpu, spec, monkeypatch, tmp_path, capsys):
+    """What `kernelgen tune` prints and stores, with tune() itself faked (no GPU here)."""
+    torch = pytest.importorskip("torch")
+    calls = []
+
+    def fake_tune(spec_name, problem, *, arch, jobs, rep_ms, save, progress, **params):
+        calls.append((spec_name, problem, jobs, rep_ms, save, progress, params))
+        spec = load_spec(spec_name)
+        variant = spec.variant("sm_90", **params)
+        chosen = Trial(spec.default_config(variant), "ok", Timing(1.0, 0.9, 10), Built(128, 0, 0, 1024),
+                       Check(True, 0.001, 0.01))
+        result = TuneResult(spec.name, variant, problem, FAKE_GPU, (chosen,), chosen, chosen.config)
+        tune._save(tune._key(spec, variant, problem.bucket(), FAKE_GPU), result)
+        return result
+
+    monkeypatch.setattr(tune, "tune", fake_tune)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    exported = tmp_path / "defaults.json"
+    assert cli_main(["tune", "flash_attn_fwd", "--set", "head_dim=64", "--shape", "batch=2,seqlen=512,heads=8",
+                     "--shape", "batch=1,seqlen_q=128,seqlen_k=4096,heads=8,heads_k=1", "-j", "3",
+                     "--rep-ms", "20", "--export", str(exported)]) == 0
+    out = capsys.readouterr().out
+    assert [c[1] for c in calls] == [Problem(2, 8, 8, 512, 512), Problem(1, 8, 1, 128, 4096)]
+    assert calls[0][2:] == (3, 20.0, True, True, {"head_dim": 64})
+    assert "[1/2] tuning flash_attn_fwd" in out and "== summary" in out and "<- chosen" in out
+    assert "wrote 2 tuned configs" in out
+    assert {e["bucket"] for e in json.loads(exported.read_text())["entries"]} == \
+        {"q512_k512_bh16", "q128_k4096_bh8"}
+
+
+def test_build_compiles_for_real(cache_dir, spec, variant):
+    config = spec.default_config(variant)
+    built = search.build(spec, variant, DeviceLimits(232448, 1024), config)
+    binary = cache.compile_cached(render(spec, variant, config), variant.arch)   # a memory hit
+    assert built == Built(binary.registers, binary.spill_stores, binary.stack_bytes,
+                          int(spec.smem(spec.environment(variant, config))) + binary.static_smem)
+    assert 0 < built.registers <= 255

@@ -43,6 +43,9 @@ def tuned(tmp_path_factory):
             patch.delenv(name, raising=False)
         env.reload_settings()
         tune.clear_memo()
+        # Binaries compiled by earlier tests sit in the in-process memo and would not be written
+        # to this cache dir; the second process below must find every one on disk.
+        cache.clear_memo()
         spec = load_spec("flash_attn_fwd")
         result = tune.tune(spec, SMALL, device=0, **SMALL_PARAMS)
         yield root, spec, result
@@ -90,8 +93,8 @@ def test_tuning_picks_a_correct_config_and_stores_it(tuned):
     key = tune._key(spec, result.variant, SMALL.bucket(), result.identity)
     db = tunedb.TuneDB(root / tunedb.DB_FILE)
     assert db.best(key) == chosen.config
-    (run,) = db.dump()
-    assert len(run["trials"]) == len(result.trials)
+    (stored,) = db.dump()
+    assert len(stored["trials"]) == len(result.trials)
     assert tune.resolve(spec, result.variant, SMALL, device=0) == tune.Choice(chosen.config, "tuned")
     # Correct on fresh inputs, over the whole output, launched without the tuner's code.
     kernel = api.load(spec, config=chosen.config.as_dict(), **SMALL_PARAMS)

@@ -144,6 +144,15 @@ def test_corrupt_database_is_moved_aside_and_recreated(cache_dir, damage, new_pr
         assert raw.execute("PRAGMA quick_check").fetchone()[0] == "ok"
 
 
+def test_a_database_deleted_under_a_running_process_is_created_again(cache_dir):
+    db = TuneDB()
+    db.record(key(), PROBLEM, config(), 1.0, TRIALS)
+    db.path.unlink()
+    assert db.best(key()) is None
+    db.record(key(), PROBLEM, config(64, 32), 1.0, TRIALS)
+    assert db.best(key()) == config(64, 32)
+
+
 def test_dump_and_merge_are_idempotent(cache_dir, tmp_path):
     source = TuneDB(tmp_path / "source.sqlite3")
     source.record(key(), PROBLEM, config(), 1.0, TRIALS)
