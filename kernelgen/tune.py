@@ -156,10 +156,13 @@ def _default_jobs(count: int) -> int:
 @contextlib.contextmanager
 def _progress(enabled: bool, total: int, variant: Variant):
     """on_trial for search(): a progress bar on stderr showing the best time so far."""
+    try:
+        from tqdm import tqdm
+    except ImportError:   # a declared dependency; an environment without it still tunes
+        enabled = False
     if not enabled:
         yield None
         return
-    from tqdm import tqdm
 
     best = [math.inf]
     with tqdm(total=total, desc=variant.slug, unit="config", file=sys.stderr, leave=False) as bar:
