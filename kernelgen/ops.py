@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernelgen import api
+from kernelgen import api, tune
 from kernelgen.spec import load_spec
 
 FWD_SPEC = "flash_attn_fwd"
@@ -90,14 +90,19 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 _KERNELS: dict[tuple, api.BoundKernel] = {}
 
 
-def _forward_kernel(head_dim: int, dtype: str, causal: bool, device: int) -> api.BoundKernel:
-    key = (head_dim, dtype, causal, device)
+def _forward_kernel(head_dim: int, dtype: str, causal: bool, device: int,
+                    problem) -> api.BoundKernel:
+    """The forward kernel for a problem: its config comes from the tuner's lookup (in-process
+    memo, tuning DB, shipped tuned defaults, then the spec's heuristic default)."""
+    spec = load_spec(FWD_SPEC)
+    variant = spec.variant(arch=api.pick_arch(spec, device), head_dim=head_dim, dtype=dtype,
+                           causal=causal)
+    config = tune.lookup(spec, variant, problem, device)
+    key = (variant, config, device)
     kernel = _KERNELS.get(key)
     if kernel is None:
-        spec = load_spec(FWD_SPEC)
-        kernel = api.load(spec, arch=api.pick_arch(spec, device), head_dim=head_dim, dtype=dtype,
-                          causal=causal)
-        _KERNELS[key] = kernel
+        kernel = _KERNELS[key] = api.load(spec, arch=variant.arch, config=config.as_dict(),
+                                          **variant.as_dict())
     if not kernel.kernel.loaded_on(device):
         api.refuse_during_capture(f"load {kernel.source.name} on device {device}")
     return kernel
@@ -123,7 +128,8 @@ def _plan(q, k, v, causal: bool, softmax_scale: float) -> _Plan:
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     device = q.device.index
-    kernel = _forward_kernel(head_dim, _DTYPES[q.dtype], causal, device)
+    kernel = _forward_kernel(head_dim, _DTYPES[q.dtype], causal, device,
+                             tune.Problem(batch, heads, heads_k, seqlen_q, seqlen_k))
     out_strides = (seqlen_q * heads * head_dim, heads * head_dim, head_dim)  # torch.empty's layout
     grid = kernel.grid({"seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "heads": heads,
                         "heads_k": heads_k, "batch": batch})

@@ -40,11 +40,26 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
                  : "r"(addr));
 }
 
+// Two 8x8 b16 matrices; lanes 0..15 give the row addresses (one n8 tile of B, both k halves).
+__device__ __forceinline__ void ldmatrix_x2(u32 (&r)[2], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(addr));
+}
+
 // 16-byte global->shared copy through L2 only (.cg: a CTA never re-reads an address).
 // valid == false copies nothing and zero-fills the 16 bytes: that pads tiles past the end.
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid) {
     const int src_bytes = valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(dst), "l"(src), "r"(src_bytes));
+}
+
+// 4-byte copy for rows of fp32 statistics (LSE, D): such a row need not be 16-byte aligned.
+// .ca is the only cache mode below 16 bytes. valid == false zero-fills.
+__device__ __forceinline__ void cp_async_4(u32 dst, const void* src, bool valid) {
+    const int src_bytes = valid ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
                  :: "r"(dst), "l"(src), "r"(src_bytes));
 }
 
@@ -55,6 +70,17 @@ __device__ __forceinline__ void cp_async_commit() {
 // Wait until at most N committed groups are still in flight.
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+}
+
+// p[0] += a, p[1] += b in global memory, performed at L2 (red: no old value comes back). p must
+// be 8-byte aligned. Hopper adds both in one instruction.
+__device__ __forceinline__ void red_add_f32x2(float* p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" :: "l"(p), "f"(a), "f"(b) : "memory");
+#else
+    asm volatile("red.global.add.f32 [%0], %1;\n" :: "l"(p), "f"(a) : "memory");
+    asm volatile("red.global.add.f32 [%0], %1;\n" :: "l"(p + 1), "f"(b) : "memory");
+#endif
 }
 
 }  // namespace kg

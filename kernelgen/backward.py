@@ -1,0 +1,134 @@
+"""The attention backward on top of the generated kernels: `flash_attn_backward`.
+
+Launches on torch's current stream, without host synchronization:
+  1. flash_attn_bwd_prep: D = rowsum(dO * O) in fp32, and zeroing of the fp32 dQ accumulator;
+  2. flash_attn_bwd: dK and dV per KV tile (the query heads of a GQA group summed in registers),
+     and dQ * scale added into the accumulator with fp32 atomics; dQ is the accumulator cast to
+     the input dtype.
+With deterministic=True, step 2 runs without atomics and flash_attn_bwd_dq computes dQ per query
+tile (recomputing P and dP), so that the gradients are bitwise identical from run to run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernelgen import api, ops
+from kernelgen.spec import load_spec
+
+PREP_SPEC, MAIN_SPEC, DQ_SPEC = "flash_attn_bwd_prep", "flash_attn_bwd", "flash_attn_bwd_dq"
+
+
+@dataclass(frozen=True)
+class _Kernels:
+    prep: api.BoundKernel
+    main: api.BoundKernel
+    dq: api.BoundKernel | None  # the deterministic path only
+
+
+_KERNELS: dict[tuple, _Kernels] = {}
+
+
+def _load(name: str, device: int, **params) -> api.BoundKernel:
+    spec = load_spec(name)
+    return api.load(spec, arch=api.pick_arch(spec, device), **params)
+
+
+def _kernels(head_dim: int, dtype: str, causal: bool, device: int, deterministic: bool) -> _Kernels:
+    key = (head_dim, dtype, causal, device, deterministic)
+    kernels = _KERNELS.get(key)
+    if kernels is None:
+        variant = dict(head_dim=head_dim, dtype=dtype, causal=causal)
+        kernels = _Kernels(_load(PREP_SPEC, device, dtype=dtype), _load(MAIN_SPEC, device, **variant),
+                           _load(DQ_SPEC, device, **variant) if deterministic else None)
+        _KERNELS[key] = kernels
+    for kernel in (kernels.prep, kernels.main, kernels.dq):
+        if kernel is not None and not kernel.kernel.loaded_on(device):
+            api.refuse_during_capture(f"load {kernel.source.name} on device {device}")
+    return kernels
+
+
+def _check_dout(dout, out) -> None:
+    if not isinstance(dout, torch.Tensor):
+        raise TypeError(f"dout must be a torch.Tensor, got {type(dout).__name__}")
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if dout.shape != out.shape:
+        raise ValueError(f"dout must have the shape of out {tuple(out.shape)}, got {tuple(dout.shape)}")
+    if dout.dtype != out.dtype:
+        raise TypeError(f"dout must have the dtype of out ({out.dtype}), got {dout.dtype}")
+    if dout.device != out.device:
+        raise ValueError(f"dout is on {dout.device} but out is on {out.device}")
+
+
+def _check_saved(q, k, v, out, lse) -> None:
+    """What the forward saved: structure first (testable anywhere), then the GPU and devices."""
+    ops._check_structure(q, k, v)
+    if out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"out must match q ({tuple(q.shape)}, {q.dtype}), got {tuple(out.shape)}, {out.dtype}")
+    batch, seqlen_q, heads, _ = q.shape
+    if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or lse.shape != (batch, heads, seqlen_q):
+        shown = f"{tuple(lse.shape)}, {lse.dtype}" if isinstance(lse, torch.Tensor) else type(lse).__name__
+        raise ValueError(f"lse must be float32 of shape {(batch, heads, seqlen_q)}, got {shown}")
+    if not ops._gpu_available():
+        raise RuntimeError("kernelgen.flash_attn_backward needs a CUDA GPU; none is available here")
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
+        if not t.is_cuda:
+            raise ValueError(f"{name} must be a CUDA tensor, got a tensor on {t.device}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def flash_attn_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float,
+                        deterministic: bool = False):
+    """Gradients of flash_attn_func's `out` with respect to q, k and v: (dq, dk, dv), dq like q,
+    dk and dv like k and v (contiguous, input dtype). `out` and `lse` are the forward's outputs;
+    dout must match out (any strides: a last dim that is not contiguous is copied)."""
+    _check_dout(dout, out)
+    _check_saved(q, k, v, out, lse)
+    if dout.shape[-1] > 1 and dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    q, k, v, out, dout = (ops._aligned(t) for t in (q, k, v, out, dout))
+    device = q.device.index
+    kernels = _kernels(q.shape[-1], ops._DTYPES[q.dtype], bool(causal), device, bool(deterministic))
+    stream = api._current_stream(device)
+
+    def launch(kernel: api.BoundKernel, args: tuple, sizes: dict) -> None:
+        values = tuple(0 if a is None else a.data_ptr() if isinstance(a, torch.Tensor) else a
+                       for a in args)
+        kernel.launch(values, kernel.grid(sizes), device, stream)
+
+    return _run(kernels, launch, dout, q, k, v, out, lse.contiguous(), float(softmax_scale))
+
+
+def _run(kernels: _Kernels, launch, dout, q, k, v, out, lse, scale: float):
+    """The launches, with tensors (None for a null pointer) in each kernel's argument order."""
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    sizes = {"batch": batch, "heads": heads, "heads_k": heads_k, "seqlen_q": seqlen_q,
+             "seqlen_k": seqlen_k, "head_dim": head_dim}
+    dsum = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+    dq_accum = None if kernels.dq is not None else torch.empty(
+        (batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=q.device)
+    launch(kernels.prep, (out, dout, dsum, dq_accum, *_strides(out), *_strides(dout),
+                          batch, heads, seqlen_q, head_dim), sizes)
+
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    launch(kernels.main, (q, k, v, dout, lse, dsum, dq_accum, dk, dv,
+                          *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
+                          *_strides(dk), *_strides(dv),
+                          batch, heads, heads_k, seqlen_q, seqlen_k, scale), sizes)
+    if dq_accum is not None:  # already scaled by the kernel
+        return dq_accum.to(q.dtype), dk, dv
+
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    launch(kernels.dq, (q, k, v, dout, lse, dsum, dq,
+                        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
+                        batch, heads, heads_k, seqlen_q, seqlen_k, scale), sizes)
+    return dq, dk, dv

@@ -1,0 +1,357 @@
+// FlashAttention-2 backward on mma.sync tensor cores (sm_80 .. sm_90): dK and dV of one KV tile,
+// and the tile's share of dQ added into an fp32 accumulator.
+//
+// One CTA owns BLOCK_N keys of one (kv head, batch). K_j and V_j are loaded once, dK_j and dV_j
+// stay in fp32 registers, and the CTA walks every query head of its GQA group and every query
+// tile i that sees these keys, with Q_i, dO_i, LSE_i and D_i coming through a STAGES-deep
+// cp.async ring:
+//     S^T = K_j Q_i^T,   P^T = exp2(S^T * scale * log2e - LSE_i * log2e)   (LSE is exact: no max)
+//     dV_j += P^T dO_i,  dP^T = V_j dO_i^T,  dS^T = P^T * (dP^T - D_i)
+//     dK_j += dS^T Q_i,  dQ_i += dS K_j  (red.global.add.f32; skipped when dq_accum is null)
+// The scores are computed transposed, keys as rows: a warp then owns whole rows of P^T and dS^T,
+// the A operands of the dV and dK products, so those come straight from registers (the C layout
+// of two adjacent n8 tiles is the A layout of one k16 step, as P in the forward). Only dS goes
+// through shared memory, for dQ = dS K, which all warps share.
+//
+// Warp w owns KV rows [(w / DSPLIT) * kRowsPerWarp, +kRowsPerWarp). With DSPLIT = 2 two warps
+// share those rows: each computes S^T and dP^T for half of the query columns and keeps dK and dV
+// for half of head_dim, which halves the accumulators (head_dim 192 and 256 fit in registers);
+// P^T and dS^T then pass through shared memory so that both warps see whole rows.
+// Shared-memory rows are padded by 16 bytes as in the forward (conflict-free ldmatrix).
+#pragma once
+#include "kernelgen/flash_fwd_sm80.cuh"  // TileLoader
+#include "kernelgen/warp_mma.cuh"
+
+namespace kg {
+
+template <class Elem>
+struct BwdArgs {
+    const Elem* q; const Elem* k; const Elem* v; const Elem* dout;
+    const float* lse;   // (batch, heads, seqlen_q), natural log, from the forward
+    const float* dsum;  // (batch, heads, seqlen_q), D = rowsum(dO * O)
+    float* dq_accum;    // (batch, seqlen_q, heads, head_dim) fp32, or null: no dQ
+    Elem* dk; Elem* dv;
+    i64 q_stride_b, q_stride_s, q_stride_h;
+    i64 k_stride_b, k_stride_s, k_stride_h;
+    i64 v_stride_b, v_stride_s, v_stride_h;
+    i64 do_stride_b, do_stride_s, do_stride_h;
+    i64 dk_stride_b, dk_stride_s, dk_stride_h;
+    i64 dv_stride_b, dv_stride_s, dv_stride_h;
+    int batch, heads, heads_k, seqlen_q, seqlen_k;
+    float softmax_scale;
+};
+
+// Warps along the query rows of dQ = dS K: 32-row warp tiles where that leaves each warp 16 or 32
+// head-dim columns (at most 32 accumulators), else 16 rows. Squarer warp tiles read fewer
+// shared-memory bytes per mma (32x32 reads 16 KB per 64 mma where 16x64 reads 20 KB at BLOCK_N 128).
+constexpr int dq_warps_m(int warps, int block_m, int head_dim) {
+    const int m32 = block_m / 32, cols = m32 >= 1 ? head_dim * m32 / warps : 0;
+    if (m32 >= 1 && m32 <= warps && warps % m32 == 0 && (cols == 16 || cols == 32)) return m32;
+    return warps < block_m / 16 ? warps : block_m / 16;
+}
+// Columns of dQ one warp accumulates at a time: at most 64 (32 registers per 16 rows).
+constexpr int dq_chunk(int cols) { return cols <= 64 ? cols : cols % 64 == 0 ? 64 : 48; }
+
+template <class Elem_, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int DSPLIT, int STAGES,
+          bool CAUSAL>
+struct BwdConfig {
+    using Elem = Elem_;
+    static constexpr int kHeadDim = HEAD_DIM, kBlockM = BLOCK_M, kBlockN = BLOCK_N;
+    static constexpr int kWarps = WARPS, kThreads = WARPS * 32, kStages = STAGES, kDSplit = DSPLIT;
+    static constexpr bool kCausal = CAUSAL;
+    static constexpr int kRowsPerWarp = BLOCK_N * DSPLIT / WARPS;  // KV rows
+    static constexpr int kMTiles = kRowsPerWarp / 16;
+    static constexpr int kSliceM = BLOCK_M / DSPLIT, kSTiles = kSliceM / 8;     // query columns
+    static constexpr int kSliceD = HEAD_DIM / DSPLIT, kDTiles = kSliceD / 8;   // dK/dV columns
+    // dQ = dS K: the BLOCK_M x HEAD_DIM product tiled over the warps, kDqWarpsM along the rows.
+    static constexpr int kDqWarpsM = dq_warps_m(WARPS, BLOCK_M, HEAD_DIM);
+    static constexpr int kDqWarpsD = WARPS / kDqWarpsM;
+    static constexpr int kDqRows = BLOCK_M / kDqWarpsM, kDqMTiles = kDqRows / 16;
+    static constexpr int kDqCols = HEAD_DIM / kDqWarpsD, kDqChunk = dq_chunk(kDqCols);
+
+    static constexpr int kPitch = HEAD_DIM + 8;   // Q, K, V, dO rows (elements)
+    static constexpr int kPitchS = BLOCK_M + 8;   // P^T, dS^T rows
+    static constexpr int kTileQ = BLOCK_M * kPitch, kTileKV = BLOCK_N * kPitch;
+    static constexpr int kTileS = BLOCK_N * kPitchS;
+    // Byte offsets: K, V, STAGES x Q, STAGES x dO, dS^T, P^T (DSPLIT > 1), STAGES x LSE, STAGES x D.
+    static constexpr int kOffV = kTileKV * 2, kOffQ = 2 * kTileKV * 2;
+    static constexpr int kOffDo = kOffQ + STAGES * kTileQ * 2;
+    static constexpr int kOffDs = kOffDo + STAGES * kTileQ * 2;
+    static constexpr int kOffP = kOffDs + kTileS * 2;
+    static constexpr int kOffStats = kOffP + (DSPLIT > 1 ? kTileS * 2 : 0);
+    static constexpr int kSmemBytes = kOffStats + 2 * STAGES * BLOCK_M * 4;
+
+    static_assert(DSPLIT == 1 || DSPLIT == 2, "rows are shared by at most two warps");
+    static_assert(BLOCK_N * DSPLIT % WARPS == 0 && kRowsPerWarp % 16 == 0, "whole m16 tiles of keys");
+    static_assert(BLOCK_M % 16 == 0 && kSliceM % 8 == 0, "k16 steps over queries, n8 tiles of S^T");
+    static_assert(HEAD_DIM % 16 == 0 && kSliceD % 16 == 0, "k16 steps and n8 pairs over head_dim");
+    static_assert(WARPS % kDqWarpsM == 0 && BLOCK_M / 16 % kDqWarpsM == 0 &&
+                  kDqCols % 16 == 0 && kDqCols % kDqChunk == 0, "dQ tiles the warps evenly");
+    static_assert(STAGES >= 2, "a ring of one stage cannot overlap loads with math");
+};
+
+// P = 0 for masked (key, query) pairs: keys at or past seqlen_k and, for causal, keys past the
+// query's diagonal. Element (mt, nt, e) of a lane sits mt*16 + (e/2)*8 rows and nt*8 + (e&1)
+// columns from the lane's first element; KEYS_ARE_ROWS says which of the two is the key. `tail`
+// is the key offset of seqlen_k, `diag` is key - query - (seqlen_k - seqlen_q) at offset 0. Both
+// tests compare against one per-lane number, so the unrolled compares take immediates.
+template <bool KEYS_ARE_ROWS, bool CAUSAL, int MT, int NT>
+__device__ __forceinline__ void mask_probs(float (&p)[MT][NT][4], int tail, int diag) {
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = mt * 16 + (e / 2) * 8, col = nt * 8 + (e & 1);
+                const int key = KEYS_ARE_ROWS ? row : col, query = KEYS_ARE_ROWS ? col : row;
+                bool masked = key >= tail;
+                if constexpr (CAUSAL) masked |= diag + key - query > 0;
+                if (masked) p[mt][nt][e] = 0.f;
+            }
+}
+
+// dQ[m0 + rows, :] += scale * dS K for the query tile at m0: dS^T is in shared memory as [key][query]
+// (read transposed: the A operand), K as [key][d].
+template <class C>
+__device__ __forceinline__ void add_dq_tile(const BwdArgs<typename C::Elem>& a, u32 s_ds, u32 s_k,
+                                            int m0, int head, int batch, int warp, int lane) {
+    using Elem = typename C::Elem;
+    const int row0 = (warp / C::kDqWarpsD) * C::kDqRows, col0 = (warp % C::kDqWarpsD) * C::kDqCols;
+    const u32 a_lane = s_ds + lane_offset_rows_b<C::kPitchS>(lane) + row0 * 2;
+    const i64 row_stride = i64(a.heads) * C::kHeadDim;
+    const int lane_row = m0 + row0 + lane / 4;
+    float* dq = a.dq_accum + (i64(batch) * a.seqlen_q + lane_row) * row_stride +
+                head * C::kHeadDim + col0 + 2 * (lane % 4);
+    #pragma unroll
+    for (int chunk = 0; chunk < C::kDqCols / C::kDqChunk; ++chunk) {
+        constexpr int kTiles = C::kDqChunk / 8;
+        float acc[C::kDqMTiles][kTiles][4] = {};
+        #pragma unroll
+        for (int kk = 0; kk < C::kBlockN / 16; ++kk) {
+            u32 dsa[C::kDqMTiles][4];
+            #pragma unroll
+            for (int mt = 0; mt < C::kDqMTiles; ++mt)
+                ldmatrix_x4_trans(dsa[mt], a_lane + (kk * 16 * C::kPitchS + mt * 16) * 2);
+            warp_mma_step_kn<Elem, C::kDqMTiles, kTiles, C::kPitch>(
+                acc, dsa, s_k + (kk * 16 * C::kPitch + col0 + chunk * C::kDqChunk) * 2, lane);
+        }
+        #pragma unroll
+        for (int mt = 0; mt < C::kDqMTiles; ++mt)
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                if (lane_row + mt * 16 + 8 * h >= a.seqlen_q) continue;
+                float* row = dq + (mt * 16 + 8 * h) * row_stride + chunk * C::kDqChunk;
+                #pragma unroll
+                for (int nt = 0; nt < kTiles; ++nt)
+                    red_add_f32x2(row + nt * 8, acc[mt][nt][2 * h] * a.softmax_scale,
+                                  acc[mt][nt][2 * h + 1] * a.softmax_scale);
+            }
+    }
+}
+
+template <class C>
+__device__ __forceinline__ void flash_bwd_sm80(const BwdArgs<typename C::Elem>& a) {
+    using Elem = typename C::Elem;
+    extern __shared__ __align__(128) unsigned char smem[];
+
+    const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int group = a.heads / a.heads_k;
+    const int kv0 = n_block * C::kBlockN;
+    const int shift = a.seqlen_k - a.seqlen_q;  // causal: query i sees keys <= i + shift
+
+    // Query tiles that see at least one of these keys: all, or for causal those from the tile of
+    // query kv0 - shift on (the last query sees every key, so there is at least one).
+    const int m_tiles = cdiv(a.seqlen_q, C::kBlockM);
+    int m_first = 0;
+    if constexpr (C::kCausal) m_first = min(max(kv0 - shift, 0) / C::kBlockM, m_tiles);
+    const int per_head = m_tiles - m_first;
+    const int n_iter = per_head * group;  // (query head, query tile) pairs, head-major
+
+    const u32 s_k = smem_addr(smem), s_v = s_k + C::kOffV, s_q = s_k + C::kOffQ;
+    const u32 s_do = s_k + C::kOffDo, s_ds = s_k + C::kOffDs, s_p = s_k + C::kOffP;
+    const u32 s_stats = s_k + C::kOffStats;
+    const float* stats = reinterpret_cast<const float*>(smem + C::kOffStats);
+
+    const TileLoader<C> loader(tid);
+    auto load_query_tile = [&](int it) {
+        const int slot = it % C::kStages, head = kv_head * group + it / per_head;
+        const int m0 = (m_first + it % per_head) * C::kBlockM, rows = a.seqlen_q - m0;
+        loader.template load<C::kBlockM>(
+            s_q + slot * C::kTileQ * 2,
+            a.q + batch * a.q_stride_b + head * a.q_stride_h + m0 * a.q_stride_s, a.q_stride_s, rows);
+        loader.template load<C::kBlockM>(
+            s_do + slot * C::kTileQ * 2,
+            a.dout + batch * a.do_stride_b + head * a.do_stride_h + m0 * a.do_stride_s,
+            a.do_stride_s, rows);
+        // LSE and D: one float per thread (rows past seqlen_q read as 0, see the P below).
+        const i64 stat_row = (i64(batch) * a.heads + head) * a.seqlen_q + m0;
+        #pragma unroll
+        for (int j = 0; j < cdiv(2 * C::kBlockM, C::kThreads); ++j) {
+            const int i = tid + j * C::kThreads, which = i / C::kBlockM, r = i % C::kBlockM;
+            if (2 * C::kBlockM % C::kThreads == 0 || i < 2 * C::kBlockM) {
+                const float* src = (which ? a.dsum : a.lse) + stat_row + r;
+                cp_async_4(s_stats + ((which * C::kStages + slot) * C::kBlockM + r) * 4,
+                           r < rows ? src : a.lse, r < rows);
+            }
+        }
+    };
+
+    // Prologue: K and V with the first query tile in one group, then STAGES-2 more groups.
+    const Elem* k = a.k + batch * a.k_stride_b + kv_head * a.k_stride_h + kv0 * a.k_stride_s;
+    const Elem* v = a.v + batch * a.v_stride_b + kv_head * a.v_stride_h + kv0 * a.v_stride_s;
+    loader.template load<C::kBlockN>(s_k, k, a.k_stride_s, a.seqlen_k - kv0);
+    loader.template load<C::kBlockN>(s_v, v, a.v_stride_s, a.seqlen_k - kv0);
+    #pragma unroll
+    for (int s = 0; s < C::kStages - 1; ++s) {
+        if (s < n_iter) load_query_tile(s);
+        cp_async_commit();  // empty groups keep the wait_group arithmetic uniform
+    }
+
+    const int warp_row = (warp / C::kDSplit) * C::kRowsPerWarp;  // first KV row (in the tile)
+    const int warp_col = (warp % C::kDSplit) * C::kSliceM;       // first query column of S^T
+    const int warp_dcol = (warp % C::kDSplit) * C::kSliceD;      // first head-dim column of dK/dV
+    // Element (mt, nt, e) of S^T: key kv0 + lane_key + mt*16 + (e/2)*8,
+    // query m0 + lane_col + nt*8 + (e&1).
+    const int lane_key = warp_row + lane / 4, lane_col = warp_col + 2 * (lane % 4);
+    const float scale_log2 = a.softmax_scale * kLog2e;
+    const bool need_dq = a.dq_accum != nullptr;
+
+    float acc_dk[C::kMTiles][C::kDTiles][4] = {}, acc_dv[C::kMTiles][C::kDTiles][4] = {};
+
+    for (int it = 0; it < n_iter; ++it) {
+        cp_async_wait<C::kStages - 2>();
+        __syncthreads();  // tile `it` visible to all warps; the slot of it-1 is free again
+        if (it + C::kStages - 1 < n_iter) load_query_tile(it + C::kStages - 1);
+        cp_async_commit();
+
+        const int slot = it % C::kStages, head = kv_head * group + it / per_head;
+        const int m0 = (m_first + it % per_head) * C::kBlockM;
+        const u32 q_tile = s_q + slot * C::kTileQ * 2, do_tile = s_do + slot * C::kTileQ * 2;
+        const float* lse = stats + slot * C::kBlockM;
+        const float* dsum = stats + (C::kStages + slot) * C::kBlockM;
+
+        // S^T = K Q^T, then P^T in place. Query rows past seqlen_q are zero in Q, dO, LSE and D:
+        // their P is 1 but meets zero dO and Q rows, and their dS is 1 * (0 - 0).
+        float acc_s[C::kMTiles][C::kSTiles][4] = {};
+        warp_mma_rows<Elem, C::kMTiles, C::kSTiles, C::kHeadDim / 16, C::kPitch>(
+            acc_s, s_k + warp_row * C::kPitch * 2, q_tile + warp_col * C::kPitch * 2, lane);
+        #pragma unroll
+        for (int nt = 0; nt < C::kSTiles; ++nt) {
+            const float2 l = *reinterpret_cast<const float2*>(lse + lane_col + nt * 8);
+            #pragma unroll
+            for (int mt = 0; mt < C::kMTiles; ++mt)
+                #pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    acc_s[mt][nt][e] = exp2_approx(
+                        fmaf(acc_s[mt][nt][e], scale_log2, -(e & 1 ? l.y : l.x) * kLog2e));
+        }
+        // Keys past seqlen_k and, for causal, keys past a query's diagonal get P = 0. That also
+        // covers rows that see no key at all (LSE = -inf, P = inf before this): they only occur
+        // in tiles that straddle the diagonal. Only those tiles pay (a CTA-uniform branch).
+        bool need_mask = kv0 + C::kBlockN > a.seqlen_k;
+        if constexpr (C::kCausal) need_mask |= kv0 + C::kBlockN - 1 > m0 + shift;
+        if (need_mask)
+            mask_probs</*KEYS_ARE_ROWS=*/true, C::kCausal>(
+                acc_s, a.seqlen_k - kv0 - lane_key, kv0 + lane_key - (m0 + lane_col) - shift);
+
+        // dP^T = V dO^T, then dS^T = P^T (dP^T - D) in place.
+        float acc_dp[C::kMTiles][C::kSTiles][4] = {};
+        warp_mma_rows<Elem, C::kMTiles, C::kSTiles, C::kHeadDim / 16, C::kPitch>(
+            acc_dp, s_v + warp_row * C::kPitch * 2, do_tile + warp_col * C::kPitch * 2, lane);
+        u32 p16[C::kMTiles][C::kSTiles][2], ds16[C::kMTiles][C::kSTiles][2];
+        #pragma unroll
+        for (int nt = 0; nt < C::kSTiles; ++nt) {
+            const float2 d = *reinterpret_cast<const float2*>(dsum + lane_col + nt * 8);
+            #pragma unroll
+            for (int mt = 0; mt < C::kMTiles; ++mt)
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float* p = acc_s[mt][nt] + 2 * h;
+                    const float* dp = acc_dp[mt][nt] + 2 * h;
+                    p16[mt][nt][h] = pack2<Elem>(p[0], p[1]);
+                    ds16[mt][nt][h] = pack2<Elem>(p[0] * (dp[0] - d.x), p[1] * (dp[1] - d.y));
+                }
+        }
+
+        // dS^T (for dQ, and for the partner warp with DSPLIT = 2) and P^T to shared memory.
+        if (C::kDSplit > 1 || need_dq) {
+            #pragma unroll
+            for (int mt = 0; mt < C::kMTiles; ++mt)
+                #pragma unroll
+                for (int nt = 0; nt < C::kSTiles; ++nt)
+                    #pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int offset = ((lane_key + mt * 16 + 8 * h) * C::kPitchS + lane_col + nt * 8) * 2;
+                        *reinterpret_cast<u32*>(smem + C::kOffDs + offset) = ds16[mt][nt][h];
+                        if constexpr (C::kDSplit > 1)
+                            *reinterpret_cast<u32*>(smem + C::kOffP + offset) = p16[mt][nt][h];
+                    }
+        }
+        if constexpr (C::kDSplit > 1) __syncthreads();  // both halves of every row are written
+
+        // dV += P^T dO and dK += dS^T Q, k16 steps over the tile's queries.
+        #pragma unroll
+        for (int kk = 0; kk < C::kBlockM / 16; ++kk) {
+            u32 pa[C::kMTiles][4], dsa[C::kMTiles][4];
+            #pragma unroll
+            for (int mt = 0; mt < C::kMTiles; ++mt) {
+                if constexpr (C::kDSplit == 1) {
+                    pa[mt][0] = p16[mt][2 * kk][0];      pa[mt][1] = p16[mt][2 * kk][1];
+                    pa[mt][2] = p16[mt][2 * kk + 1][0];  pa[mt][3] = p16[mt][2 * kk + 1][1];
+                    dsa[mt][0] = ds16[mt][2 * kk][0];    dsa[mt][1] = ds16[mt][2 * kk][1];
+                    dsa[mt][2] = ds16[mt][2 * kk + 1][0]; dsa[mt][3] = ds16[mt][2 * kk + 1][1];
+                } else {
+                    const u32 offset = lane_offset_rows_a<C::kPitchS>(lane) +
+                                       ((warp_row + mt * 16) * C::kPitchS + kk * 16) * 2;
+                    ldmatrix_x4(pa[mt], s_p + offset);
+                    ldmatrix_x4(dsa[mt], s_ds + offset);
+                }
+            }
+            const u32 row = (kk * 16 * C::kPitch + warp_dcol) * 2;
+            warp_mma_step_kn<Elem, C::kMTiles, C::kDTiles, C::kPitch>(acc_dv, pa, do_tile + row, lane);
+            warp_mma_step_kn<Elem, C::kMTiles, C::kDTiles, C::kPitch>(acc_dk, dsa, q_tile + row, lane);
+        }
+
+        if (need_dq) {
+            if constexpr (C::kDSplit == 1) __syncthreads();  // every warp's dS^T is written
+            add_dq_tile<C>(a, s_ds, s_k, m0, head, batch, warp, lane);
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with K and V: their tiles now stage dK and dV
+
+    // dK * scale and dV to 16 bits in this warp's rows and columns of the K and V tiles, then
+    // 16-byte coalesced stores (with DSPLIT = 2 a row's halves come from two warps).
+    #pragma unroll
+    for (int mt = 0; mt < C::kMTiles; ++mt)
+        #pragma unroll
+        for (int dt = 0; dt < C::kDTiles; ++dt)
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = lane_key + mt * 16 + 8 * h, c = warp_dcol + dt * 8 + 2 * (lane % 4);
+                const float* dk = acc_dk[mt][dt] + 2 * h;
+                const float* dv = acc_dv[mt][dt] + 2 * h;
+                *reinterpret_cast<u32*>(smem + (r * C::kPitch + c) * 2) =
+                    pack2<Elem>(dk[0] * a.softmax_scale, dk[1] * a.softmax_scale);
+                *reinterpret_cast<u32*>(smem + C::kOffV + (r * C::kPitch + c) * 2) =
+                    pack2<Elem>(dv[0], dv[1]);
+            }
+    __syncthreads();
+    const int kv_rows = min(a.seqlen_k - kv0, C::kBlockN);
+    Elem* dk = a.dk + batch * a.dk_stride_b + kv_head * a.dk_stride_h + kv0 * a.dk_stride_s;
+    Elem* dv = a.dv + batch * a.dv_stride_b + kv_head * a.dv_stride_h + kv0 * a.dv_stride_s;
+    constexpr int kChunksPerRow = C::kHeadDim / 8;
+    for (int i = tid; i < C::kBlockN * kChunksPerRow; i += C::kThreads) {
+        const int r = i / kChunksPerRow, c = (i % kChunksPerRow) * 8;
+        if (r < kv_rows) {
+            *reinterpret_cast<uint4*>(dk + r * a.dk_stride_s + c) =
+                *reinterpret_cast<const uint4*>(smem + (r * C::kPitch + c) * 2);
+            *reinterpret_cast<uint4*>(dv + r * a.dv_stride_s + c) =
+                *reinterpret_cast<const uint4*>(smem + C::kOffV + (r * C::kPitch + c) * 2);
+        }
+    }
+}
+
+}  // namespace kg
