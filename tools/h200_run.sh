@@ -1,19 +1,29 @@
 #!/bin/bash
-# One device call: GPU tests, memcheck on ragged shapes, config sweep, benchmark. Logs under $OUT.
+# One device call runs the steps named in $STEPS, each under its own time limit; logs under $OUT.
+#   STEPS="fwd bwd tune sm90 memcheck" bash tools/h200_run.sh
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KERNELGEN_CACHE_DIR=${KERNELGEN_CACHE_DIR:-/tmp/kgcache}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STEPS=${STEPS:-"tests memcheck sweep bench"}
+STEPS=${STEPS:-"fwd bwd tune sm90 memcheck"}
+T=${STEP_TIMEOUT:-240}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader
+gpu_tests() { timeout $T python3 -m pytest -q -m gpu -p no:cacheprovider --maxfail=15 "$@" 2>&1; }
 for step in $STEPS; do
   echo "=== $step"
   case $step in
-    tests)   timeout 400 python3 -m pytest -q -m gpu -x tests ${PYTEST_ARGS} 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
-    memcheck) timeout 300 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
-               python3 tools/ragged.py 2>&1 | tee "$OUT/memcheck.log" | tail -8 ;;
+    fwd)     gpu_tests tests/test_attention.py tests/test_errors.py tests/test_library.py \
+               tests/test_mods_gpu.py | tee "$OUT/fwd.log" | tail -30 ;;
+    bwd)     gpu_tests tests/test_backward.py | tee "$OUT/bwd.log" | tail -30 ;;
+    tune)    gpu_tests tests/test_tune_gpu.py | tee "$OUT/tune.log" | tail -30 ;;
+    sm90)    gpu_tests tests/test_sm90_gpu.py | tee "$OUT/sm90.log" | tail -30 ;;
+    memcheck) timeout $T compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+               python3 tools/ragged.py 2>&1 | tee "$OUT/memcheck.log" | tail -6 ;;
     overhead) timeout 120 python3 tools/overhead.py 2>&1 | tee "$OUT/overhead.log" ;;
     demo)    timeout 200 python3 -m kernelgen.demo 2>&1 | tee "$OUT/demo.log" ;;
-    sweep)   timeout 400 python3 tools/sweep.py ${SWEEP_ARGS} 2>&1 | tee "$OUT/sweep.log" ;;
-    bench)   timeout 400 python3 -m kernelgen.cli bench --out "$OUT" ${BENCH_ARGS} 2>&1 | tee "$OUT/bench.log" ;;
+    sweep)   timeout $T python3 tools/sweep.py ${SWEEP_ARGS} 2>&1 | tee "$OUT/sweep.log" ;;
+    tune128) for c in false true; do timeout $T python3 -m kernelgen.cli tune flash_attn_fwd \
+               --set head_dim=128 --set dtype=bf16 --set causal=$c \
+               --shape batch=4,seqlen=4096,heads=16 2>&1 | tail -12; done | tee "$OUT/tune128.log" ;;
+    bench)   timeout $T python3 -m kernelgen.cli bench --out "$OUT" ${BENCH_ARGS} 2>&1 | tee "$OUT/bench.log" ;;
   esac
 done
