@@ -1,11 +1,21 @@
 """Ragged shapes for compute-sanitizer memcheck: every head dim, both masks, lengths that are not
-tile multiples, GQA. Exits non-zero if any output is wrong."""
+tile multiples, GQA; forward, backward (through autograd) and the modifier specs. Exits non-zero
+if any output is wrong."""
 import torch
 
 import kernelgen
 from kernelgen.reference import attention_ref, max_error, rounding_allowance
 
 bad = 0
+
+
+def report(ok, *what):
+    global bad
+    if not ok:
+        bad += 1
+        print("WRONG", *what)
+
+
 for head_dim in (64, 96, 128, 192, 256):
     for causal in (False, True):
         for seqlen_q, seqlen_k in ((1, 1), (17, 33), (130, 77), (77, 130)):
@@ -15,9 +25,18 @@ for head_dim in (64, 96, 128, 192, 256):
             out = kernelgen.flash_attn_func(q, k, v, causal=causal)
             ref, _ = attention_ref(q, k, v, causal)
             pt, _ = attention_ref(q, k, v, causal, upcast=False)
-            if max_error(out, ref) > 2 * max_error(pt, ref) + rounding_allowance(ref):
-                bad += 1
-                print("WRONG", head_dim, causal, seqlen_q, seqlen_k)
+            report(max_error(out, ref) <= 2 * max_error(pt, ref) + rounding_allowance(ref),
+                   "fwd", head_dim, causal, seqlen_q, seqlen_k)
+            if head_dim in (64, 128):
+                for t in (q, k, v):
+                    t.requires_grad_()
+                grads = torch.autograd.grad(kernelgen.flash_attn_func(q, k, v, causal=causal),
+                                            (q, k, v), torch.ones_like(q))
+                report(all(torch.isfinite(g).all() for g in grads), "bwd", head_dim, causal,
+                       seqlen_q, seqlen_k)
+            x = q.detach()
+            kernelgen.flash_attn_func(x, k.detach(), v.detach(), causal=causal, window_size=(5, 3))
+            kernelgen.flash_attn_func(x, k.detach(), v.detach(), causal=causal, softcap=4.0)
 torch.cuda.synchronize()
 print(f"ragged: {bad} wrong")
 raise SystemExit(1 if bad else 0)
