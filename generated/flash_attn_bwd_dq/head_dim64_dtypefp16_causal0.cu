@@ -1,5 +1,5 @@
 // Generated from specs/flash_attn_bwd_dq.yaml by `kernelgen render --generated`; do not edit.
-// flash_attn_bwd_dq__head_dim64_dtypefp16_causal0__sm_80__block_m64_block_n64_warps4_stages2
+// flash_attn_bwd_dq__head_dim64_dtypefp16_causal0__sm_80__block_m128_block_n32_warps4_stages2
 // flash_attn_bwd_dq: exact attention backward, dQ alone and without atomics (deterministic; see
 // kernelgen/flash_bwd_dq_sm80.cuh), for one query tile per CTA:
 //   P[i, j] = exp(scale * Q[i] . K[j] - LSE[i])   (masked: 0; causal: j <= i + seqlen_k - seqlen_q)
@@ -7,12 +7,12 @@
 // q, dout, dq: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_k, head_dim);
 // lse, dsum: (batch, heads, seqlen_q) fp32.
 // Variant: head_dim=64 dtype=fp16 causal=false arch=sm_80
-// Config:  block_m=64 block_n=64 warps=4 stages=2
+// Config:  block_m=128 block_n=32 warps=4 stages=2
 #include "kernelgen/flash_bwd_dq_sm80.cuh"
 
 using elem_t = kg::half_t;
-using Config = kg::BwdDqConfig<elem_t, /*HEAD_DIM=*/64, /*BLOCK_M=*/64,
-                               /*BLOCK_N=*/64, /*WARPS=*/4,
+using Config = kg::BwdDqConfig<elem_t, /*HEAD_DIM=*/64, /*BLOCK_M=*/128,
+                               /*BLOCK_N=*/32, /*WARPS=*/4,
                                /*STAGES=*/2, /*CAUSAL=*/false>;
 static_assert(Config::kSmemBytes == 55296, "spec's smem formula disagrees with the kernel");
 

@@ -256,7 +256,7 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdArgs<typename C::Elem>& 
             mask_probs</*KEYS_ARE_ROWS=*/true, C::kCausal>(
                 acc_s, a.seqlen_k - kv0 - lane_key, kv0 + lane_key - (m0 + lane_col) - shift);
 
-        // dP^T = V dO^T, then dS^T = P^T (dP^T - D) in place.
+        // dP^T = V dO^T, then P^T and dS^T = P^T (dP^T - D) packed to 16 bits.
         float acc_dp[C::kMTiles][C::kSTiles][4] = {};
         warp_mma_rows<Elem, C::kMTiles, C::kSTiles, C::kHeadDim / 16, C::kPitch>(
             acc_dp, s_v + warp_row * C::kPitch * 2, do_tile + warp_col * C::kPitch * 2, lane);
