@@ -96,6 +96,11 @@ def flash_attn_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: fl
     q, k, v, out, dout = (ops._aligned(t) for t in (q, k, v, out, dout))
     device = q.device.index
     kernels = _kernels(q.shape[-1], ops._DTYPES[q.dtype], bool(causal), device, bool(deterministic))
+    return _run(kernels, _launcher(device), dout, q, k, v, out, lse.contiguous(), float(softmax_scale))
+
+
+def _launcher(device: int):
+    """launch(kernel, args, sizes) on torch's current stream; args hold tensors, None for null."""
     stream = api._current_stream(device)
 
     def launch(kernel: api.BoundKernel, args: tuple, sizes: dict) -> None:
@@ -103,7 +108,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: fl
                        for a in args)
         kernel.launch(values, kernel.grid(sizes), device, stream)
 
-    return _run(kernels, launch, dout, q, k, v, out, lse.contiguous(), float(softmax_scale))
+    return launch
 
 
 def _run(kernels: _Kernels, launch, dout, q, k, v, out, lse, scale: float):
