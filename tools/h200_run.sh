@@ -11,6 +11,8 @@ gpu_tests() { timeout $T python3 -m pytest -q -m gpu -p no:cacheprovider --maxfa
 for step in $STEPS; do
   echo "=== $step"
   case $step in
+    build)   timeout $T python3 -m kernelgen.cli build --arch sm_90 --arch sm_90a -j 16 2>&1 \
+               | tee "$OUT/build.log" | tail -3 ;;
     fwd)     gpu_tests tests/test_attention.py tests/test_errors.py tests/test_library.py \
                tests/test_mods_gpu.py | tee "$OUT/fwd.log" | tail -30 ;;
     bwd)     gpu_tests tests/test_backward.py | tee "$OUT/bwd.log" | tail -30 ;;
