@@ -34,16 +34,17 @@ def reference_grads(q, k, v, dout, causal, scale, upcast):
     return torch.autograd.grad(out, leaves, dout)
 
 
-def forward(q, k, v, causal):
+def forward(q, k, v, causal, softmax_scale=None):
     import kernelgen
 
     with torch.no_grad():
-        return kernelgen.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+        return kernelgen.flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                         return_lse=True)
 
 
 def check(q, k, v, causal, dout=None, deterministic=False, softmax_scale=None):
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
-    out, lse = forward(q, k, v, causal)
+    out, lse = forward(q, k, v, causal, scale)  # the LSE must come from the same scale
     if dout is None:
         dout = torch.randn_like(out)
     poison()
