@@ -34,23 +34,23 @@ _PLANS: dict[tuple, _Plan] = {}
 _MAX_PLANS = 4096
 
 
-def _kernel(head_dim: int, dtype: str, causal: bool, device: int) -> api.BoundKernel:
+def _kernel(head_dim: int, dtype: str, causal: bool, device: int, config) -> api.BoundKernel:
     major_minor = torch.cuda.get_device_capability(device)
     if major_minor != (9, 0):
         raise RuntimeError(f"kernelgen.hopper needs an sm_90 GPU (H100/H200); device {device} is "
                            f"sm_{major_minor[0]}{major_minor[1]}")
-    kernel = api.load(SPEC, arch=ARCH, head_dim=head_dim, dtype=dtype, causal=causal)
+    kernel = api.load(SPEC, arch=ARCH, config=config, head_dim=head_dim, dtype=dtype, causal=causal)
     if not kernel.kernel.loaded_on(device):
         api.refuse_during_capture(f"load {kernel.source.name} on device {device}")
     return kernel
 
 
-def _plan(q, k, v, causal: bool, softmax_scale: float) -> _Plan:
+def _plan(q, k, v, causal: bool, softmax_scale: float, config) -> _Plan:
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     device = q.device.index
     dtype = ops._DTYPES[q.dtype]
-    kernel = _kernel(head_dim, dtype, causal, device)
+    kernel = _kernel(head_dim, dtype, causal, device, config)
     env = kernel.spec.environment(kernel.variant, kernel.config)
     maps = None
     if seqlen_k:
@@ -65,14 +65,18 @@ def _plan(q, k, v, causal: bool, softmax_scale: float) -> _Plan:
                  maps, tuple(q.shape), (batch, heads, seqlen_q), q.dtype)
 
 
-def flash_attn_forward_sm90(q, k, v, causal: bool = False, softmax_scale: float | None = None):
+def flash_attn_forward_sm90(q, k, v, causal: bool = False, softmax_scale: float | None = None, *,
+                            config=None):
     """Exact attention on the Hopper kernels; same contract as `flash_attn_func(..., return_lse=
     True)` without autograd: q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k,
     heads_k, head_dim), causal aligned bottom-right. Returns (out like q, lse (batch, heads,
-    seqlen_q) float32 in natural log; -inf and a zero output row where a query sees no key)."""
+    seqlen_q) float32 in natural log; -inf and a zero output row where a query sees no key).
+    `config`: a mapping of the spec's tune keys (block_m, block_n, stages, schedule) instead of
+    the variant's default."""
+    config = None if config is None else tuple(sorted(dict(config).items()))
     try:
         signature = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
-                     k.dtype, v.dtype, q.device, k.device, v.device, causal, softmax_scale)
+                     k.dtype, v.dtype, q.device, k.device, v.device, causal, softmax_scale, config)
         plan = _PLANS.get(signature)
     except (AttributeError, TypeError):  # not tensors, or an unhashable scale: the checks say why
         signature = plan = None
@@ -80,7 +84,7 @@ def flash_attn_forward_sm90(q, k, v, causal: bool = False, softmax_scale: float 
         ops._check_inputs(q, k, v)
         causal, scale = bool(causal), ops._scale(q, softmax_scale)
         aligned = ops._aligned(q), ops._aligned(k), ops._aligned(v)
-        plan = _plan(*aligned, causal, scale)
+        plan = _plan(*aligned, causal, scale, None if config is None else dict(config))
         if signature is not None and all(a is b for a, b in zip(aligned, (q, k, v))):
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()

@@ -25,21 +25,26 @@ pytestmark = [
 SEQLENS = [s for s in test_attention.SEQLENS if s[0] * s[1] < 1000 * 4096]
 
 
-def forward(q, k, v, causal, softmax_scale=None):
+def forward(q, k, v, causal, softmax_scale=None, config=None):
     from kernelgen.hopper import flash_attn_forward_sm90
 
-    return flash_attn_forward_sm90(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    return flash_attn_forward_sm90(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                   config=config)
+
+
+def route_check_to_sm90(monkeypatch, config=None):
+    import kernelgen
+
+    def flash_attn_func(q, k, v, causal=False, softmax_scale=None, return_lse=False):
+        out, lse = forward(q, k, v, causal, softmax_scale, config)
+        return (out, lse) if return_lse else out
+
+    monkeypatch.setattr(kernelgen, "flash_attn_func", flash_attn_func)
 
 
 @pytest.fixture(autouse=True)
 def sm90_behind_check(monkeypatch):
-    import kernelgen
-
-    def flash_attn_func(q, k, v, causal=False, softmax_scale=None, return_lse=False):
-        out, lse = forward(q, k, v, causal, softmax_scale)
-        return (out, lse) if return_lse else out
-
-    monkeypatch.setattr(kernelgen, "flash_attn_func", flash_attn_func)
+    route_check_to_sm90(monkeypatch)
 
 
 @pytest.mark.parametrize("head_dim", test_attention.HEAD_DIMS)
@@ -48,6 +53,35 @@ def sm90_behind_check(monkeypatch):
 @pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_forward(head_dim, dtype, causal, seqlens):
     test_attention.test_forward(head_dim, dtype, causal, seqlens)
+
+
+# Each schedule and the tile shapes no default uses, on their own: a failure names the schedule.
+CONFIGS = [
+    (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 0}),  # plain
+    (96, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 0}),
+    (256, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 0}),
+    (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1}),  # overlap
+    (64, {"block_m": 128, "block_n": 64, "stages": 3, "schedule": 1}),    # 3 stages
+    (128, {"block_m": 128, "block_n": 176, "stages": 2, "schedule": 2}),  # overlap + pingpong
+    (256, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 2}),
+    (64, {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2}),    # 3 consumer warpgroups
+    (96, {"block_m": 192, "block_n": 64, "stages": 2, "schedule": 1}),
+]
+
+
+@pytest.mark.parametrize("head_dim, config", CONFIGS,
+                         ids=[f"hd{d}-{'_'.join(f'{k}{v}' for k, v in c.items())}" for d, c in CONFIGS])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_schedules_and_tiles(monkeypatch, head_dim, config, causal):
+    route_check_to_sm90(monkeypatch, config)
+    torch.manual_seed(head_dim + config["block_n"])
+    for (seqlen_q, seqlen_k), (batch, heads, heads_k) in (((1, 1000), (1, 4, 2)),
+                                                         ((1000, 17), (2, 2, 1)),
+                                                         ((333, 1517), (1, 2, 2))):
+        q = make(batch, seqlen_q, heads, head_dim, torch.bfloat16)
+        k = make(batch, seqlen_k, heads_k, head_dim, torch.bfloat16)
+        v = make(batch, seqlen_k, heads_k, head_dim, torch.bfloat16)
+        check(q, k, v, causal)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -1,12 +1,13 @@
 // FlashAttention forward for Hopper (sm_90a): TMA loads, an mbarrier pipeline, wgmma, and warp
-// specialization (FA3's structure without pingpong or intra-warpgroup overlap yet).
+// specialization, following FA3 (its schedules: plain, intra-warpgroup overlap, pingpong).
 //
 // One CTA computes BLOCK_M query rows of one (batch, head). Warpgroup 0 is the producer: after
 // setmaxnreg.dec one thread issues every TMA load (Q once, then K and V tiles of BLOCK_N rows
 // through a STAGES-deep ring). Warpgroups 1..BLOCK_M/64 are consumers (setmaxnreg.inc), 64 query
 // rows each: S = Q K^T by wgmma with both operands in shared memory (SS), the online softmax in
 // fp32 registers (the math of flash_fwd_sm80.cuh), then O += P V by wgmma with P straight from
-// registers (RS) and V read MN-major (transposed) from shared memory.
+// registers (RS) and V read MN-major (transposed) from shared memory. The schedule (SCHEDULE)
+// decides how much of that is in flight at once.
 //
 // Rings: for each stage s, full_k[s] / full_v[s] (one arrival from the producer's expect_tx plus
 // the tile's TMA bytes) and empty_k[s] / empty_v[s] (one arrival per consumer warp once its wgmmas
@@ -30,8 +31,10 @@ namespace kg {
 // QkGemm::mma(float (&)[BLOCK_N / 2], u64 desc_q, u64 desc_k, int accumulate) and
 // PvGemm::mma(float (&)[HEAD_DIM / 2], const u32 (&p)[4], u64 desc_v): one k16 step each, rendered
 // by the template for this variant's N.
+// SCHEDULE 0: plain (QK^T, softmax, PV in turn); 1: intra-warpgroup overlap; 2: overlap plus
+// pingpong between the consumer warpgroups (see sm90_consume).
 template <class Elem_, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool CAUSAL,
-          class QkGemm_, class PvGemm_>
+          int SCHEDULE, class QkGemm_, class PvGemm_>
 struct Sm90Config {
     using Elem = Elem_;
     using QkGemm = QkGemm_;
@@ -39,6 +42,8 @@ struct Sm90Config {
     static constexpr int kHeadDim = HEAD_DIM, kBlockM = BLOCK_M, kBlockN = BLOCK_N;
     static constexpr int kStages = STAGES;
     static constexpr bool kCausal = CAUSAL;
+    static constexpr int kSchedule = SCHEDULE;
+    static constexpr bool kPingpong = SCHEDULE == 2;
     static constexpr int kConsumers = BLOCK_M / 64;          // one warpgroup per 64 query rows
     static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
     // Per-thread register budgets after setmaxnreg (FA3's: 24/240 for 2 consumers, 32/160 for 3).
@@ -60,6 +65,7 @@ struct Sm90Config {
     static_assert(kTileQ % 1024 == 0 && kTileKV % 1024 == 0, "every panel stays 1024-aligned");
     static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "register file");
     static_assert(STAGES >= 2, "a ring of one stage cannot overlap loads with math");
+    static_assert(SCHEDULE >= 0 && SCHEDULE <= 2, "plain, overlapped, overlapped + pingpong");
 };
 
 template <class C>
@@ -105,6 +111,131 @@ __device__ __forceinline__ u32 panel_offset(int rows, int row, int col) {
            swizzle<C::kSwizzle>(row * C::kSwizzle + (col % C::kPanel) * 2);
 }
 
+// ---- the steps of one consumer warpgroup ----------------------------------------------------
+
+// S = Q K^T for one KV block, issued and committed as one wgmma group (head_dim / 16 k-steps; the
+// first overwrites S). desc_k is the block's stage.
+template <class C>
+__device__ __forceinline__ void issue_qk(float (&acc_s)[C::kBlockN / 2], u64 desc_q, u64 desc_k) {
+    #pragma unroll
+    for (int kk = 0; kk < C::kHeadDim / 16; ++kk) {
+        const int panel = kk / C::kStepsPerPanel, step = kk % C::kStepsPerPanel;
+        C::QkGemm::mma(acc_s, desc_q + ((panel * C::kBlockM * C::kSwizzle + step * 32) >> 4),
+                       desc_k + ((panel * C::kBlockN * C::kSwizzle + step * 32) >> 4), kk > 0);
+    }
+    wgmma_commit();
+}
+
+// O += P V for one KV block, one wgmma group: BLOCK_N / 16 k-steps of 16 V rows (16 * SWIZZLE
+// bytes) each. P is read from registers while it runs: it must not change until the group is done.
+template <class C>
+__device__ __forceinline__ void issue_pv(float (&acc_o)[C::kHeadDim / 2],
+                                         const u32 (&p)[C::kBlockN / 16][4], u64 desc_v) {
+    #pragma unroll
+    for (int kk = 0; kk < C::kBlockN / 16; ++kk)
+        C::PvGemm::mma(acc_o, p[kk], desc_v + ((kk * 16 * C::kSwizzle) >> 4));
+    wgmma_commit();
+}
+
+// Keys past seqlen_k and, for causal, past each row's diagonal (bottom-right aligned: row r sees
+// keys <= r + seqlen_k - seqlen_q) get -inf; only blocks that straddle a boundary pay.
+template <class C>
+__device__ __forceinline__ void mask_scores(float (&acc_s)[C::kBlockN / 2],
+                                            const FwdArgs<typename C::Elem>& a, int col0,
+                                            int wg_row0, int lane_row) {
+    bool need_mask = col0 + C::kBlockN > a.seqlen_k;
+    if constexpr (C::kCausal)
+        need_mask |= col0 + C::kBlockN - 1 > wg_row0 + a.seqlen_k - a.seqlen_q;
+    if (!need_mask) return;
+    const int lane_col = col0 + 2 * (threadIdx.x % 4);
+    const int tail = a.seqlen_k - lane_col;  // element (i, e) is past the end if >= tail
+    // col - row - (sk - sq) of element (i, e) is diag + i*8 + (e&1) - (e/2)*8
+    const int diag = lane_col - lane_row - (a.seqlen_k - a.seqlen_q);
+    #pragma unroll
+    for (int i = 0; i < C::kBlockN / 8; ++i)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            bool masked = i * 8 + (e & 1) >= tail;
+            if constexpr (C::kCausal) masked |= diag + i * 8 + (e & 1) - (e / 2) * 8 > 0;
+            if (masked) acc_s[4 * i + e] = neg_inf();
+        }
+}
+
+// Online softmax on this thread's rows (h = 0: lane_row, h = 1: lane_row + 8), the math of
+// flash_fwd_sm80.cuh: new running max, alpha = exp2((m_old - m_new) * c) for O and l, and
+// S -> P = exp2(S * c - m_new * c) in place (fp32).
+template <class C>
+__device__ __forceinline__ void softmax_step(float (&acc_s)[C::kBlockN / 2], float (&row_max)[2],
+                                             float (&row_sum)[2], float scale_log2,
+                                             float (&alpha)[2]) {
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float mx = row_max[h];
+        #pragma unroll
+        for (int i = 0; i < C::kBlockN / 8; ++i)
+            mx = fmaxf(mx, fmaxf(acc_s[4 * i + 2 * h], acc_s[4 * i + 2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // A row that has seen only masked keys keeps m = -inf: use 0 so that (-inf) - (-inf)
+        // never happens; its p and alpha are then exp2(-inf) = 0.
+        const float m_scaled = mx == neg_inf() ? 0.f : mx * scale_log2;
+        alpha[h] = exp2_approx(row_max[h] * scale_log2 - m_scaled);
+        row_max[h] = mx;
+        float sum = 0.f;
+        #pragma unroll
+        for (int i = 0; i < C::kBlockN / 8; ++i)
+            #pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                float& x = acc_s[4 * i + 2 * h + j];
+                x = exp2_approx(fmaf(x, scale_log2, -m_scaled));
+                sum += x;
+            }
+        row_sum[h] = row_sum[h] * alpha[h] + sum;  // per-lane partial; the quad reduces at the end
+    }
+}
+
+template <class C>
+__device__ __forceinline__ void rescale_o(float (&acc_o)[C::kHeadDim / 2], const float (&alpha)[2]) {
+    #pragma unroll
+    for (int i = 0; i < C::kHeadDim / 8; ++i)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[4 * i + e] *= alpha[e / 2];
+}
+
+// P (fp32) -> 16-bit pairs in the register A layout of k-step i / 2 (wgmma.cuh).
+template <class C>
+__device__ __forceinline__ void pack_p(u32 (&p)[C::kBlockN / 16][4],
+                                       const float (&acc_s)[C::kBlockN / 2]) {
+    #pragma unroll
+    for (int i = 0; i < C::kBlockN / 8; ++i)
+        #pragma unroll
+        for (int h = 0; h < 2; ++h)
+            p[i / 2][(i % 2) * 2 + h] =
+                pack2<typename C::Elem>(acc_s[4 * i + 2 * h], acc_s[4 * i + 2 * h + 1]);
+}
+
+// Pingpong: consumer warpgroups take turns issuing their GEMMs, so one runs softmax while another's
+// GEMMs occupy the tensor cores. Warpgroup w waits on barrier kSchedBarrier + w (its 128 threads
+// and the 128 of the previous warpgroup's arrive) before it issues and hands the turn on after.
+template <class C>
+struct IssueTurns {
+    static constexpr u32 kSchedBarrier = 4;  // ids 4.. (1..3 are the epilogue's per warpgroup)
+    int wg;
+    __device__ __forceinline__ void start() const {
+        if constexpr (C::kPingpong)
+            if (wg == 0) named_barrier_arrive(kSchedBarrier, 256);  // the first turn is warpgroup 0's
+    }
+    __device__ __forceinline__ void acquire() const {
+        if constexpr (C::kPingpong) named_barrier_sync(kSchedBarrier + wg, 256);
+    }
+    // The last warpgroup's last hand-off would have no taker: skip it.
+    __device__ __forceinline__ void release(bool last) const {
+        if constexpr (C::kPingpong)
+            if (!(last && wg == C::kConsumers - 1))
+                named_barrier_arrive(kSchedBarrier + (wg + 1) % C::kConsumers, 256);
+    }
+};
+
 // One consumer warpgroup: query rows 64 * wg .. 64 * wg + 63 of the tile.
 template <class C>
 __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a, unsigned char* smem,
@@ -116,108 +247,101 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     constexpr int kAccS = C::kBlockN / 2, kAccO = C::kHeadDim / 2;  // fp32 registers per thread
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
 
-    // Descriptors of each operand's first k16 step; steps add their byte offset >> 4.
+    // Descriptors of each operand's first k16 step; steps and stages add their byte offset >> 4.
     const u64 desc_q = desc_k_major<kSw>(smem_u32 + wg * 64 * kSw);
     const u64 desc_k = desc_k_major<kSw>(smem_u32 + C::kOffK);
     const u64 desc_v = desc_mn_major<kSw>(smem_u32 + C::kOffV, C::kBlockN * kSw);
+    const auto stage = [](int i) { return i % C::kStages; };
+    const auto parity = [](int i) { return u32(i / C::kStages) & 1; };
+    const auto stage_desc = [](u64 desc, int i) { return desc + ((i % C::kStages) * C::kTileKV >> 4); };
+    const auto col0 = [n_blocks](int i) { return (n_blocks - 1 - i) * C::kBlockN; };
 
-    float acc_o[kAccO];
+    float acc_o[kAccO], acc_s[kAccS], alpha[2];
+    u32 p[C::kBlockN / 16][4];
     #pragma unroll
     for (int i = 0; i < kAccO; ++i) acc_o[i] = 0.f;
     float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};
     const float scale_log2 = a.softmax_scale * kLog2e;
     const int wg_row0 = row0 + wg * 64;
     const int lane_row = wg_row0 + warp * 16 + lane / 4;  // this thread's rows: lane_row, +8
+    const IssueTurns<C> turns{wg};
+    turns.start();
 
-    mbarrier_wait(bar.full_q(), 0);
-    for (int i = 0; i < n_blocks; ++i) {
-        const int s = i % C::kStages;
-        const u32 parity = (i / C::kStages) & 1;
-        const int col0 = (n_blocks - 1 - i) * C::kBlockN;
-        const u64 desc_k_s = desc_k + ((s * C::kTileKV) >> 4);
-        const u64 desc_v_s = desc_v + ((s * C::kTileKV) >> 4);
-
-        // S = Q K^T (fp32, unscaled): head_dim / 16 k-steps, the first one overwrites S.
-        float acc_s[kAccS];
-        mbarrier_wait(bar.full_k(s), parity);
+    // Wait for S of block i; then its K slot is free.
+    const auto finish_qk = [&](int i) {
         fence_operands(acc_s);
-        wgmma_fence();
-        #pragma unroll
-        for (int kk = 0; kk < C::kHeadDim / 16; ++kk) {
-            const int panel = kk / C::kStepsPerPanel, step = kk % C::kStepsPerPanel;
-            C::QkGemm::mma(acc_s, desc_q + ((panel * C::kBlockM * kSw + step * 32) >> 4),
-                           desc_k_s + ((panel * C::kBlockN * kSw + step * 32) >> 4), kk > 0);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_operands(acc_s);
-        if (lane == 0) mbarrier_arrive(bar.empty_k(s));
-
-        // Mask keys past seqlen_k and, for causal, past each row's diagonal (bottom-right aligned:
-        // row r sees keys <= r + seqlen_k - seqlen_q); only blocks that straddle a boundary pay.
-        bool need_mask = col0 + C::kBlockN > a.seqlen_k;
-        if constexpr (C::kCausal)
-            need_mask |= col0 + C::kBlockN - 1 > wg_row0 + a.seqlen_k - a.seqlen_q;
-        if (need_mask) {
-            const int lane_col = col0 + 2 * (lane % 4);
-            const int tail = a.seqlen_k - lane_col;  // element (i, e) is past the end if >= tail
-            // col - row - (sk - sq) of element (i, e) is diag + i*8 + (e&1) - (e/2)*8
-            const int diag = lane_col - lane_row - (a.seqlen_k - a.seqlen_q);
-            #pragma unroll
-            for (int i = 0; i < C::kBlockN / 8; ++i)
-                #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    bool masked = i * 8 + (e & 1) >= tail;
-                    if constexpr (C::kCausal) masked |= diag + i * 8 + (e & 1) - (e / 2) * 8 > 0;
-                    if (masked) acc_s[4 * i + e] = neg_inf();
-                }
-        }
-
-        // Online softmax on rows lane_row (h = 0) and lane_row + 8 (h = 1); see flash_fwd_sm80.cuh.
-        // P goes to 16-bit pairs laid out as the A operand of k-step i / 2 (wgmma.cuh).
-        u32 p[C::kBlockN / 16][4];
-        #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float mx = row_max[h];
-            #pragma unroll
-            for (int i = 0; i < C::kBlockN / 8; ++i)
-                mx = fmaxf(mx, fmaxf(acc_s[4 * i + 2 * h], acc_s[4 * i + 2 * h + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            // A row that has seen only masked keys keeps m = -inf: use 0 so that (-inf) - (-inf)
-            // never happens; its p and alpha are then exp2(-inf) = 0.
-            const float m_scaled = mx == neg_inf() ? 0.f : mx * scale_log2;
-            const float alpha = exp2_approx(row_max[h] * scale_log2 - m_scaled);
-            row_max[h] = mx;
-            float sum = 0.f;
-            #pragma unroll
-            for (int i = 0; i < C::kBlockN / 8; ++i) {
-                const float p0 = exp2_approx(fmaf(acc_s[4 * i + 2 * h], scale_log2, -m_scaled));
-                const float p1 = exp2_approx(fmaf(acc_s[4 * i + 2 * h + 1], scale_log2, -m_scaled));
-                p[i / 2][(i % 2) * 2 + h] = pack2<Elem>(p0, p1);
-                sum += p0 + p1;
-            }
-            row_sum[h] = row_sum[h] * alpha + sum;  // per-lane partial; the quad reduces at the end
-            #pragma unroll
-            for (int i = 0; i < C::kHeadDim / 8; ++i) {
-                acc_o[4 * i + 2 * h] *= alpha;
-                acc_o[4 * i + 2 * h + 1] *= alpha;
-            }
-        }
-
-        // O += P V: BLOCK_N / 16 k-steps over the block's keys, 16 V rows (16 * SWIZZLE bytes) each.
-        mbarrier_wait(bar.full_v(s), parity);
+        if (lane == 0) mbarrier_arrive(bar.empty_k(stage(i)));
+        mask_scores<C>(acc_s, a, col0(i), wg_row0, lane_row);
+    };
+    const auto fence_pv_operands = [&] {
         fence_operands(acc_o);
         #pragma unroll
         for (int kk = 0; kk < C::kBlockN / 16; ++kk) fence_operands(p[kk]);
+    };
+
+    mbarrier_wait(bar.full_q(), 0);
+    if constexpr (C::kSchedule == 0) {
+        // Plain: S, softmax, O += P V, one block after the other (the other warpgroups fill in).
+        for (int i = 0; i < n_blocks; ++i) {
+            mbarrier_wait(bar.full_k(stage(i)), parity(i));
+            fence_operands(acc_s);
+            wgmma_fence();
+            issue_qk<C>(acc_s, desc_q, stage_desc(desc_k, i));
+            wgmma_wait<0>();
+            finish_qk(i);
+            softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha);
+            rescale_o<C>(acc_o, alpha);
+            pack_p<C>(p, acc_s);
+            mbarrier_wait(bar.full_v(stage(i)), parity(i));
+            fence_pv_operands();
+            wgmma_fence();
+            issue_pv<C>(acc_o, p, stage_desc(desc_v, i));
+            wgmma_wait<0>();
+            fence_operands(acc_o);
+            if (lane == 0) mbarrier_arrive(bar.empty_v(stage(i)));
+        }
+    } else {
+        // Overlapped (FA3's IntraWGOverlap): S of block i and O += P V of block i - 1 are in flight
+        // together; softmax of block i runs while the P V group still occupies the tensor cores.
+        mbarrier_wait(bar.full_k(stage(0)), parity(0));
+        turns.acquire();
+        fence_operands(acc_s);
         wgmma_fence();
-        #pragma unroll
-        for (int kk = 0; kk < C::kBlockN / 16; ++kk)
-            C::PvGemm::mma(acc_o, p[kk], desc_v_s + ((kk * 16 * kSw) >> 4));
-        wgmma_commit();
+        issue_qk<C>(acc_s, desc_q, stage_desc(desc_k, 0));
+        turns.release(false);
+        wgmma_wait<0>();
+        finish_qk(0);
+        softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha);  // O is 0: alpha unused
+        pack_p<C>(p, acc_s);
+        for (int i = 1; i < n_blocks; ++i) {
+            mbarrier_wait(bar.full_k(stage(i)), parity(i));
+            turns.acquire();
+            fence_operands(acc_s);
+            fence_pv_operands();
+            wgmma_fence();
+            issue_qk<C>(acc_s, desc_q, stage_desc(desc_k, i));
+            mbarrier_wait(bar.full_v(stage(i - 1)), parity(i - 1));
+            issue_pv<C>(acc_o, p, stage_desc(desc_v, i - 1));
+            turns.release(false);
+            wgmma_wait<1>();  // S done, P V still running: p and acc_o stay untouched
+            finish_qk(i);
+            softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha);
+            wgmma_wait<0>();
+            fence_operands(acc_o);
+            if (lane == 0) mbarrier_arrive(bar.empty_v(stage(i - 1)));
+            rescale_o<C>(acc_o, alpha);
+            pack_p<C>(p, acc_s);
+        }
+        const int last = n_blocks - 1;
+        mbarrier_wait(bar.full_v(stage(last)), parity(last));
+        turns.acquire();
+        fence_pv_operands();
+        wgmma_fence();
+        issue_pv<C>(acc_o, p, stage_desc(desc_v, last));
+        turns.release(true);
         wgmma_wait<0>();
         fence_operands(acc_o);
-        if (lane == 0) mbarrier_arrive(bar.empty_v(s));
+        if (lane == 0) mbarrier_arrive(bar.empty_v(stage(last)));
     }
 
     // Epilogue: O /= l, LSE = (m*c + log2 l) * ln2; rows with l == 0 saw no key: O = 0, LSE = -inf.

@@ -42,9 +42,14 @@ __device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
     }
 }
 
-// Named barriers 1..15 (0 is __syncthreads): `threads` (a multiple of 32) must arrive.
+// Named barriers 1..15 (0 is __syncthreads): `threads` (a multiple of 32) must arrive; sync waits
+// for the others, arrive does not.
 __device__ __forceinline__ void named_barrier_sync(u32 id, u32 threads) {
     asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void named_barrier_arrive(u32 id, u32 threads) {
+    asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(threads) : "memory");
 }
 
 }  // namespace kg
