@@ -89,11 +89,16 @@ def systems():
 
     import kernelgen
 
-    return {
+    found = {
         "kernelgen": lambda q, k, v, causal: kernelgen.flash_attn_func(q, k, v, causal=causal),
         "sdpa_flash": _sdpa(SDPBackend.FLASH_ATTENTION),
         "sdpa_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
     }
+    if torch.cuda.get_device_capability() == (9, 0):  # the opt-in Hopper family, forward only
+        from kernelgen.hopper import flash_attn_forward_sm90
+
+        found["kg_sm90"] = lambda q, k, v, causal: flash_attn_forward_sm90(q, k, v, causal)[0]
+    return found
 
 
 def python_overhead_us(calls: int = 2000, repeats: int = 7) -> float:
@@ -145,6 +150,8 @@ def run_grid(head_dims, seqlens, causals, passes=("fwd",), dtype=torch.bfloat16,
                     flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
                     flops *= 2.5 if direction == "bwd" else 1.0
                     for name, fn in systems().items():
+                        if direction == "bwd" and name == "kg_sm90":
+                            continue  # forward only
                         q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda",
                                                dtype=dtype) for _ in range(3))
                         try:
@@ -160,21 +167,23 @@ def run_grid(head_dims, seqlens, causals, passes=("fwd",), dtype=torch.bfloat16,
     return results
 
 
-COLUMNS = ("kernelgen", "sdpa_flash", "sdpa_cudnn")
+COLUMNS = ("kernelgen", "kg_sm90", "sdpa_flash", "sdpa_cudnn")
+# (ours, peer) pairs shown as ratios.
+RATIOS = (("kernelgen", "sdpa_flash"), ("kernelgen", "sdpa_cudnn"), ("kg_sm90", "sdpa_cudnn"))
 
 
 def _format_row(row) -> str:
     t = row["tflops"]
     cells = [f"{t[c]:8.1f}" if c in t else f"{'-':>8}" for c in COLUMNS]
-    ours = t.get("kernelgen")
-    ratios = [f"{ours / t[c]:6.2f}x" if ours and c in t else f"{'-':>7}" for c in COLUMNS[1:]]
+    ratios = [f"{t[a] / t[b]:6.2f}x" if a in t and b in t else f"{'-':>7}" for a, b in RATIOS]
     return (f"{row['pass']:4} hd{row['head_dim']:<4} {'causal' if row['causal'] else 'full':7} {row['seqlen']:>6} "
             + " ".join(cells) + "  " + " ".join(ratios))
 
 
 def header() -> str:
+    names = {"kernelgen": "kg", "kg_sm90": "sm90", "sdpa_flash": "flash", "sdpa_cudnn": "cudnn"}
     return (f"{'pass':4} {'hd':5} {'mask':7} {'seqlen':>6} " + " ".join(f"{c[:8]:>8}" for c in COLUMNS)
-            + "  " + " ".join(f"{'/' + c[5:]:>7}" for c in COLUMNS[1:]))
+            + "  " + " ".join(f"{names[a] + '/' + names[b]:>7}" for a, b in RATIOS))
 
 
 def main(args=None) -> int:
