@@ -30,6 +30,7 @@
 #define __launch_bounds__(...)
 #define __shared__
 #define __align__(n) __attribute__((aligned(n)))
+#define __grid_constant__
 
 struct emu_dim3 { unsigned x = 0, y = 0, z = 0; };
 struct uint4 { unsigned x, y, z, w; };
@@ -92,6 +93,9 @@ struct Runtime {
     unsigned smem_bytes = 0;
     // Arena allocations [begin, end) that global accesses must fall in.
     std::vector<std::pair<const unsigned char*, const unsigned char*>> allocations;
+    // Extensions with per-CTA state (sm90_emu.h) reset and check it here.
+    void (*cta_start)() = nullptr;
+    void (*cta_end)() = nullptr;
 };
 
 inline Runtime& rt() { static Runtime r; return r; }
@@ -233,6 +237,7 @@ inline void run_cta(int threads) {
     r.warps.assign((threads + 31) / 32, WarpSlots{});
     r.cta_arrived = 0;
     memset(kg::smem, 0xff, sizeof(kg::smem));  // NaN everywhere: unwritten smem poisons results
+    if (r.cta_start) r.cta_start();
     for (int t = 0; t < threads; ++t) {
         Fiber& f = r.fibers[t];
         f.stack.resize(512 * 1024);
@@ -255,6 +260,7 @@ inline void run_cta(int threads) {
             live += !r.fibers[t].done;
         }
     }
+    if (r.cta_end) r.cta_end();
 }
 
 inline void run_grid(void (*body)(), emu_dim3 grid, int threads, unsigned smem_bytes) {

@@ -36,7 +36,8 @@ def available() -> bool:
 
 
 def _harness(spec, source_name: str) -> str:
-    casts = {"i32": "emu::arg_i32({i})", "i64": "emu::arg_i64({i})", "f32": "emu::arg_f32({i})"}
+    casts = {"i32": "emu::arg_i32({i})", "i64": "emu::arg_i64({i})", "f32": "emu::arg_f32({i})",
+             "tmap": "*reinterpret_cast<const kg::TensorMap*>(emu::arg_map({i}))"}
     values = [f"({a.ctype}) emu::arg_ptr({i})" if a.type == "ptr" else casts[a.type].format(i=i)
               for i, a in enumerate(spec.args)]
     return (f'#include "harness.h"\n#include "{source_name}"\n'
@@ -51,16 +52,19 @@ def _headers_digest() -> str:
     return digest.hexdigest()
 
 
-def build(spec, variant, config) -> Path:
+def build(spec, variant, config, transform=None) -> Path:
+    """`transform` rewrites the rendered text first: what the template renders as inline PTX
+    (the sm90 wgmma wrappers) has no CPU stand-in header to replace it."""
     source = render.render(spec, variant, config)
+    text = transform(source.text) if transform else source.text
     harness = _harness(spec, "kernel.cu")
-    key = hashlib.sha256((source.text + harness + _headers_digest()).encode()).hexdigest()[:24]
+    key = hashlib.sha256((text + harness + _headers_digest()).encode()).hexdigest()[:24]
     exe = BUILD_DIR / f"{source.name}-{key}"
     if exe.is_file():
         return exe
     work = BUILD_DIR / f"{key}.src"
     work.mkdir(parents=True, exist_ok=True)
-    (work / "kernel.cu").write_text(source.text)
+    (work / "kernel.cu").write_text(text)
     (work / "main.cpp").write_text(harness)
     tmp = exe.with_suffix(f".{os.getpid()}.tmp")
     # The emulator's kernelgen/ headers come first, so the kernel picks up the CPU primitives.
@@ -82,13 +86,24 @@ def _launch_geometry(spec, variant, config, scalars: dict):
     return grid, block[0] * block[1] * block[2], int(spec.smem(env))
 
 
-def run(spec, variant, config, args: dict, *, seed: int = 0, defer: bool = True) -> None:
-    """Launch once; tensors in `args` (CPU) receive what the kernel wrote."""
-    exe = build(spec, variant, config)
+def _map_words(tiled, offset: int) -> list[int]:
+    """sm90_emu.h's MapFields for a kernelgen.tma.TiledMap, as 16 words (the address an offset)."""
+    fields = struct.pack("<Q5Q4Q5III", offset, *tiled.dims, *tiled.strides, *tiled.box,
+                         tiled.swizzle, len(tiled.dims))
+    return list(struct.unpack("<16Q", fields.ljust(128, b"\0")))
+
+
+def run(spec, variant, config, args: dict, *, seed: int = 0, defer: bool = True,
+        transform=None) -> None:
+    """Launch once; tensors in `args` (CPU) receive what the kernel wrote. A `tmap` argument is
+    a (kernelgen.tma.TiledMap, tensor) pair."""
+    exe = build(spec, variant, config, transform)
     storages, offsets, arena = {}, {}, bytearray()
     for arg in spec.args:
         value = args[arg.name]
-        if arg.type == "ptr" and value is not None:
+        if arg.type == "tmap":
+            value = value[1]
+        if arg.type in ("ptr", "tmap") and value is not None:
             storage = value.untyped_storage()
             if storage.data_ptr() not in storages:
                 start = (len(arena) + _GUARD + 255) // 256 * 256
@@ -98,7 +113,7 @@ def run(spec, variant, config, args: dict, *, seed: int = 0, defer: bool = True)
                 arena += ctypes.string_at(storage.data_ptr(), storage.nbytes())
     arena += bytes([_CANARY]) * _GUARD
 
-    scalars = {a.name: args[a.name] for a in spec.args if a.type != "ptr"}
+    scalars = {a.name: args[a.name] for a in spec.args if a.type not in ("ptr", "tmap")}
     grid, threads, smem = _launch_geometry(spec, variant, config, scalars)
     lines = [f"grid {grid[0]} {grid[1]} {grid[2]}", f"threads {threads}", f"smem {smem}",
              f"seed {seed}", f"defer {int(defer)}"]
@@ -111,6 +126,11 @@ def run(spec, variant, config, args: dict, *, seed: int = 0, defer: bool = True)
             else:
                 base = value.untyped_storage().data_ptr()
                 lines.append(f"ptr {offsets[base] + value.data_ptr() - base}")
+        elif arg.type == "tmap":
+            tiled, tensor = value
+            base = tensor.untyped_storage().data_ptr()
+            words = _map_words(tiled, offsets[base] + tensor.data_ptr() - base)
+            lines.append("tmap " + " ".join(map(str, words)))
         elif arg.type == "f32":
             lines.append(f"f32 {struct.unpack('<I', struct.pack('<f', float(value)))[0]}")
         else:

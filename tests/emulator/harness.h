@@ -1,7 +1,8 @@
 // main() of an emulated kernel: reads the launch (argv[1]) and the device arena (argv[2]), runs
 // the grid, writes the arena back (argv[3]). The launch file is text, one item per line:
 //   grid X Y Z | threads N | smem BYTES | seed S | defer 0|1 | alloc OFFSET BYTES |
-//   ptr OFFSET | i32 V | i64 V | f32 BITS      (the kernel arguments, in order)
+//   ptr OFFSET | i32 V | i64 V | f32 BITS |    (the kernel arguments, in order)
+//   tmap W0 .. W15                             (a tensor map's 16 words, W0 an arena offset)
 #pragma once
 #include <string>
 
@@ -14,6 +15,7 @@ struct Launch {
     int threads = 0;
     unsigned smem = 0;
     std::vector<unsigned long long> values;  // arguments: pointer offsets or raw scalar bits
+    std::vector<std::vector<unsigned long long>> maps;  // tensor maps (values[i] indexes them)
 };
 
 inline unsigned char* g_arena = nullptr;
@@ -22,6 +24,7 @@ inline Launch g_launch;
 inline void* arg_ptr(int i) {
     return g_launch.values[i] == ~0ull ? nullptr : g_arena + g_launch.values[i];
 }
+inline const void* arg_map(int i) { return g_launch.maps[g_launch.values[i]].data(); }
 inline int arg_i32(int i) { return static_cast<int>(g_launch.values[i]); }
 inline long long arg_i64(int i) { return static_cast<long long>(g_launch.values[i]); }
 inline float arg_f32(int i) {
@@ -56,6 +59,13 @@ inline int harness_main(int argc, char** argv, void (*body)()) {
         else if (k == "defer") { fscanf(launch, "%llu", &a); r.defer_copies = a != 0; }
         else if (k == "alloc") { fscanf(launch, "%llu %llu", &a, &b); r.allocations.push_back({g_arena + a, g_arena + a + b}); }
         else if (k == "null") { g_launch.values.push_back(~0ull); }
+        else if (k == "tmap") {  // the first word locates the tensor: made an absolute address
+            std::vector<unsigned long long> words(16);
+            for (auto& w : words) fscanf(launch, "%llu", &w);
+            words[0] += reinterpret_cast<unsigned long long>(g_arena);
+            g_launch.values.push_back(g_launch.maps.size());
+            g_launch.maps.push_back(words);
+        }
         else if (k == "ptr" || k == "i32" || k == "i64" || k == "f32") {
             long long v;
             fscanf(launch, "%lld", &v);

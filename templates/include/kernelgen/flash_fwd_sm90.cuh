@@ -80,7 +80,7 @@ struct Sm90Barriers {
 
 // The producer thread: Q once, then K and V of every KV block this tile sees, last block first.
 template <class C>
-__device__ __forceinline__ void sm90_produce(u32 smem, Sm90Barriers<C> bar, const TensorMap& map_q,
+__device__ __forceinline__ void sm90_produce(u32 base, Sm90Barriers<C> bar, const TensorMap& map_q,
                                              const TensorMap& map_k, const TensorMap& map_v,
                                              int row0, int head, int kv_head, int batch,
                                              int n_blocks) {
@@ -88,18 +88,18 @@ __device__ __forceinline__ void sm90_produce(u32 smem, Sm90Barriers<C> bar, cons
     tma_prefetch(map_k);
     tma_prefetch(map_v);
     mbarrier_arrive_expect_tx(bar.full_q(), C::kTileQ);
-    tma_load_5d(smem, map_q, bar.full_q(), 0, row0, 0, head, batch, kEvictFirst);
+    tma_load_5d(base, map_q, bar.full_q(), 0, row0, 0, head, batch, kEvictFirst);
     for (int i = 0; i < n_blocks; ++i) {
         const int s = i % C::kStages;
         const u32 parity = (i / C::kStages) & 1;
         const int col0 = (n_blocks - 1 - i) * C::kBlockN;
         mbarrier_wait(bar.empty_k(s), parity ^ 1);
         mbarrier_arrive_expect_tx(bar.full_k(s), C::kTileKV);
-        tma_load_5d(smem + C::kOffK + s * C::kTileKV, map_k, bar.full_k(s), 0, col0, 0, kv_head,
+        tma_load_5d(base + C::kOffK + s * C::kTileKV, map_k, bar.full_k(s), 0, col0, 0, kv_head,
                     batch, kEvictLast);
         mbarrier_wait(bar.empty_v(s), parity ^ 1);
         mbarrier_arrive_expect_tx(bar.full_v(s), C::kTileKV);
-        tma_load_5d(smem + C::kOffV + s * C::kTileKV, map_v, bar.full_v(s), 0, col0, 0, kv_head,
+        tma_load_5d(base + C::kOffV + s * C::kTileKV, map_v, bar.full_v(s), 0, col0, 0, kv_head,
                     batch, kEvictLast);
     }
 }
@@ -238,7 +238,7 @@ struct IssueTurns {
 
 // One consumer warpgroup: query rows 64 * wg .. 64 * wg + 63 of the tile.
 template <class C>
-__device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a, unsigned char* smem,
+__device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a, unsigned char* tiles,
                                              u32 smem_u32, Sm90Barriers<C> bar, int wg, int row0,
                                              int q_rows, int n_blocks, typename C::Elem* o,
                                              float* lse) {
@@ -360,7 +360,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             lse[r] = empty ? neg_inf() : (row_max[h] * scale_log2 + log2_approx(l)) * kLn2;
         #pragma unroll
         for (int i = 0; i < C::kHeadDim / 8; ++i)
-            *reinterpret_cast<u32*>(smem + panel_offset<C>(C::kBlockM, r, i * 8 + 2 * (lane % 4))) =
+            *reinterpret_cast<u32*>(tiles + panel_offset<C>(C::kBlockM, r, i * 8 + 2 * (lane % 4))) =
                 pack2<Elem>(acc_o[4 * i + 2 * h] * inv, acc_o[4 * i + 2 * h + 1] * inv);
     }
     __syncwarp();
@@ -370,7 +370,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         const int r = wg * 64 + warp * 16 + idx / kChunks, c = (idx % kChunks) * 8;
         if (r < q_rows)
             *reinterpret_cast<uint4*>(o + r * a.o_stride_s + c) =
-                *reinterpret_cast<const uint4*>(smem + panel_offset<C>(C::kBlockM, r, c));
+                *reinterpret_cast<const uint4*>(tiles + panel_offset<C>(C::kBlockM, r, c));
     }
 }
 
@@ -379,7 +379,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
                                                const TensorMap& map_q, const TensorMap& map_k,
                                                const TensorMap& map_v) {
     using Elem = typename C::Elem;
-    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    extern __shared__ __align__(1024) unsigned char smem[];
 
     // Causal: the last query tiles see the most keys; launch them first.
     const int m_block = C::kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
@@ -401,8 +401,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
     }
 
     // Swizzled tiles need 1024-byte alignment; the dynamic smem base is only guaranteed 16.
-    const u32 raw = smem_addr(smem_raw), base = (raw + 1023) & ~1023u;
-    unsigned char* smem = smem_raw + (base - raw);
+    const u32 raw = smem_addr(smem), base = (raw + 1023) & ~1023u;
+    unsigned char* tiles = smem + (base - raw);
     const Sm90Barriers<C> bar{base + C::kOffBarriers};
     if (threadIdx.x == 0) {
         mbarrier_init(bar.full_q(), 1);
@@ -423,7 +423,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
         return;
     }
     setmaxnreg_inc<C::kConsumerRegs>();
-    sm90_consume<C>(a, smem, base, bar, threadIdx.x / 128 - 1, row0, q_rows, n_blocks, o, lse);
+    sm90_consume<C>(a, tiles, base, bar, threadIdx.x / 128 - 1, row0, q_rows, n_blocks, o, lse);
 }
 
 }  // namespace kg
