@@ -176,7 +176,7 @@ def flash_attn_func(q, k, v, causal: bool = False, softmax_scale: float | None =
     Modifiers (forward only for now): window_size=(left, right) sliding window (-1: unbounded
     side), softcap=c (c * tanh(s / c) on the scaled scores), alibi_slopes (float32, (heads,) or
     (batch, heads)): one at a time."""
-    if window_size != (-1, -1) or softcap or alibi_slopes is not None:
+    if tuple(window_size) != (-1, -1) or softcap or alibi_slopes is not None:
         from kernelgen.attention import builtin_forward
 
         return builtin_forward(q, k, v, causal, softmax_scale, return_lse, window_size, softcap,
