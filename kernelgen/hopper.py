@@ -34,6 +34,13 @@ _PLANS: dict[tuple, _Plan] = {}
 _MAX_PLANS = 4096
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """A TMA source needs a 16-byte aligned start and strides: ops._aligned copies a tensor whose
+    strides are not, but contiguous() keeps a contiguous view's misaligned start, so clone that."""
+    t = ops._aligned(t)
+    return t if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+
+
 def _kernel(head_dim: int, dtype: str, causal: bool, device: int, config) -> api.BoundKernel:
     major_minor = torch.cuda.get_device_capability(device)
     if major_minor != (9, 0):
@@ -83,7 +90,7 @@ def flash_attn_forward_sm90(q, k, v, causal: bool = False, softmax_scale: float 
     if plan is None or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
         ops._check_inputs(q, k, v)
         causal, scale = bool(causal), ops._scale(q, softmax_scale)
-        aligned = ops._aligned(q), ops._aligned(k), ops._aligned(v)
+        aligned = _aligned(q), _aligned(k), _aligned(v)
         plan = _plan(*aligned, causal, scale, None if config is None else dict(config))
         if signature is not None and all(a is b for a, b in zip(aligned, (q, k, v))):
             if len(_PLANS) >= _MAX_PLANS:

@@ -117,6 +117,22 @@ def test_encode_is_cached_per_map_and_address(monkeypatch):
     assert calls == [0x1000, 0x2000]
 
 
+def test_misaligned_sources_are_copied_to_aligned_storage():
+    import torch
+
+    from kernelgen import hopper
+
+    flat = torch.randn(2 * 33 * 4 * 64 + 4, dtype=torch.bfloat16)
+    view = flat[4:].view(2, 33, 4, 64)  # contiguous, but starts 8 bytes into an aligned buffer
+    assert view.is_contiguous() and view.data_ptr() % 16 == 8
+    copy = hopper._aligned(view)
+    assert copy.data_ptr() % 16 == 0 and torch.equal(copy, view)
+    strided = torch.randn(2, 33, 4, 70, dtype=torch.bfloat16)[..., :64]  # heads 140 bytes apart
+    assert hopper._aligned(strided).stride()[:3] == (33 * 4 * 64, 4 * 64, 64)
+    aligned = torch.randn(2, 33, 4, 64, dtype=torch.bfloat16)
+    assert hopper._aligned(aligned) is aligned
+
+
 # ---- the `tmap` launch argument --------------------------------------------------------------
 
 def test_tmap_arguments_are_packed_64_byte_aligned():
