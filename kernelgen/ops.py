@@ -84,7 +84,9 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     s_b, s_s, s_h, _ = t.stride()
     if (t.data_ptr() | s_b * 2 | s_s * 2 | s_h * 2) % 16 == 0:
         return t
-    return t.contiguous()
+    # A copy into fresh storage: .contiguous() would return a contiguous view that starts
+    # misaligned (e.g. x.view(-1)[4:].view(...)) unchanged.
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 _KERNELS: dict[tuple, api.BoundKernel] = {}

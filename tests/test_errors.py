@@ -61,3 +61,15 @@ def test_bad_softmax_scale():
     for bad in (0.0, -1.0, float("nan"), "x"):
         with pytest.raises(ValueError, match="softmax_scale"):
             kernelgen.flash_attn_func(g, g, g, softmax_scale=bad)
+
+
+def test_misaligned_views_are_copied_into_aligned_storage():
+    from kernelgen import ops
+
+    base = torch.randn(2 * 8 * 4 * 64 + 4, dtype=torch.bfloat16)
+    view = base[4:].view(2, 8, 4, 64)  # contiguous, but 8 bytes past a 16-byte boundary
+    assert view.is_contiguous() and view.data_ptr() % 16 == 8
+    fixed = ops._aligned(view)
+    assert fixed.data_ptr() % 16 == 0 and torch.equal(fixed, view)
+    aligned = torch.randn(2, 8, 4, 64, dtype=torch.bfloat16)
+    assert ops._aligned(aligned) is aligned
