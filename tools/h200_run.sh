@@ -26,6 +26,11 @@ for step in $STEPS; do
     tune128) for c in false true; do timeout $T python3 -m kernelgen.cli tune flash_attn_fwd \
                --set head_dim=128 --set dtype=bf16 --set causal=$c \
                --shape batch=4,seqlen=4096,heads=16 2>&1 | tail -12; done | tee "$OUT/tune128.log" ;;
+    grid)    timeout $T python3 -m kernelgen.cli tune --preset ${PRESET:-fwd-grid} --top ${TOP:-4} \
+               --export "$OUT/tuned_${PRESET:-fwd-grid}.json" ${GRID_ARGS} 2>&1 | tee "$OUT/grid.log" \
+               | grep -v '^\[' | tail -${GRID_TAIL:-40} ;;
+    probe)   python3 -c "import matplotlib; print('matplotlib', matplotlib.__version__)" 2>&1 | tail -1
+             python3 tools/probe_tma.py 2>&1 | tee "$OUT/probe.log" ;;
     bench)   timeout $T python3 -m kernelgen.cli bench --out "$OUT" ${BENCH_ARGS} 2>&1 | tee "$OUT/bench.log" ;;
   esac
 done
