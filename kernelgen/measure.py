@@ -29,6 +29,7 @@ _POINTERS = ("q", "k", "v", "o", "lse")
 _SCALARS = ("q_stride_b", "q_stride_s", "q_stride_h", "k_stride_b", "k_stride_s", "k_stride_h",
             "v_stride_b", "v_stride_s", "v_stride_h", "o_stride_b", "o_stride_s", "o_stride_h",
             "batch", "heads", "heads_k", "seqlen_q", "seqlen_k", "softmax_scale")
+_MAPS = ("tmap_q", "tmap_k", "tmap_v")   # the Hopper family reads Q, K, V through tensor maps
 _PARAMS = ("head_dim", "dtype", "causal")
 CHECK_ROWS = 128
 _LSE_TOLERANCE = 2e-3
@@ -72,9 +73,12 @@ class Workload:
     def __init__(self, spec, variant, problem: Problem, device: int | str, seed: int = 0):
         # device: a CUDA index; "cpu" serves the CPU tests of the check, with launchers of their own.
         names = tuple(a.name for a in spec.args)
-        if sorted(names) != sorted(_POINTERS + _SCALARS) or {p.name for p in spec.params} != set(_PARAMS):
+        known = sorted(_POINTERS + _SCALARS)
+        if (sorted(names) not in (known, sorted(known + list(_MAPS)))
+                or {p.name for p in spec.params} != set(_PARAMS)):
             raise TuneError(f"kernelgen tune makes inputs for attention specs with the args and "
-                            f"params of flash_attn_fwd ({', '.join(_PARAMS)}); {spec.name} has "
+                            f"params of flash_attn_fwd ({', '.join(_PARAMS)}; tensor maps "
+                            f"{', '.join(_MAPS)} optional); {spec.name} has "
                             f"args {list(names)} and params {[p.name for p in spec.params]}")
         if min(problem.as_dict().values()) < 1 or problem.heads % problem.heads_k:
             raise TuneError(f"cannot tune for {problem}: every size must be at least 1 and heads a "
@@ -128,10 +132,25 @@ class Workload:
 
     def launcher(self, kernel: api.BoundKernel):
         """fn() that launches `kernel` on these inputs, with everything but the call worked out."""
-        values = tuple(self.values[name] for name in self.names)
+        values = {**self.values, **self._maps(kernel)}
+        values = tuple(values[name] for name in self.names)
         grid = kernel.grid({name: self.values[name] for name in _SCALARS})
         stream, device = api._current_stream(self.device), self.device
         return lambda: kernel.launch(values, grid, device, stream)
+
+    def _maps(self, kernel: api.BoundKernel) -> dict:
+        """The tensor maps of a Hopper-family config: their boxes follow its tile shape."""
+        if _MAPS[0] not in self.names:
+            return {}
+        from kernelgen import tma
+
+        env = kernel.spec.environment(kernel.variant, kernel.config)
+        dtype = kernel.variant["dtype"]
+        return {name: tma.encode(tma.attention_map(t.shape, t.stride(), dtype, rows, env["swizzle"]),
+                                 t.data_ptr())
+                for name, t, rows in (("tmap_q", self.q, env["block_m"]),
+                                      ("tmap_k", self.k, env["block_n"]),
+                                      ("tmap_v", self.v, env["block_n"]))}
 
     def check(self, launch) -> Check:
         self.out.fill_(float("nan"))

@@ -334,13 +334,33 @@ def _from_shipped(spec, variant, key: tunedb.Key) -> Config | None:
     # Matched by GPU, not toolchain: these are measurements of a GPU we had, shipped as data.
     # The nearest measured bucket stands in for one that was not measured.
     identity = key.identity
-    entries = _shipped_table().get((spec.name, variant.slug, variant.arch, identity.gpu,
-                                    identity.capability, identity.sm_count))
+    table = _shipped_table()
+    entries = None
+    for candidate in (variant, _dtype_sibling(spec, variant)):
+        if candidate is not None and not entries:
+            entries = table.get((spec.name, candidate.slug, candidate.arch, identity.gpu,
+                                 identity.capability, identity.sm_count))
     if not entries:
         return None
     wanted = Bucket.from_slug(key.bucket)
     _, config = min(entries, key=lambda entry: entry[0].distance(wanted))
     return _usable(spec, variant, config, str(DEFAULTS_PATH))
+
+
+_SIBLING_DTYPES = {"fp16": "bf16", "bf16": "fp16"}
+
+
+def _dtype_sibling(spec, variant: Variant) -> Variant | None:
+    """The variant with the other 16-bit dtype: fp16 and bf16 kernels issue the same instructions
+    at the same rate, so where only one was measured its tuning stands in for the other's."""
+    params = variant.as_dict()
+    other = _SIBLING_DTYPES.get(params.get("dtype"))
+    if other is None:
+        return None
+    try:
+        return spec.variant(variant.arch, **{**params, "dtype": other})
+    except SpecError:   # the spec offers only one of them
+        return None
 
 
 def export_defaults(path: Path, db: tunedb.TuneDB | None = None) -> int:

@@ -2,11 +2,13 @@
 
     kernelgen tune SPEC [--set head_dim=128 ...] --shape batch=4,seqlen=8192,heads=16 [--shape ...]
     kernelgen tune --preset fwd-grid [--head-dims 128] [--seqlens 4096 8192] [--causal true]
+    kernelgen tune --preset fwd-sm90-grid ...   (the Hopper family, on an sm_90 GPU)
     kernelgen tune --export FILE          (also after a tuning run: the DB in the shipped format)
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from dataclasses import dataclass
 
@@ -28,7 +30,8 @@ class Job:
     problem: Problem
 
 
-def fwd_grid(head_dims=(64, 128, 256), seqlens=GRID_SEQLENS, causals=(False, True)) -> list[Job]:
+def fwd_grid(head_dims=(64, 128, 256), seqlens=GRID_SEQLENS, causals=(False, True),
+             spec: str = "flash_attn_fwd") -> list[Job]:
     """The benchmark grid of the FlashAttention papers: batch x seqlen = 16k tokens, hidden 2048."""
     jobs = []
     for head_dim in head_dims:
@@ -37,11 +40,12 @@ def fwd_grid(head_dims=(64, 128, 256), seqlens=GRID_SEQLENS, causals=(False, Tru
             for seqlen in seqlens:
                 params = (("head_dim", head_dim), ("dtype", "bf16"), ("causal", causal))
                 problem = Problem(max(1, 16384 // seqlen), heads, heads, seqlen, seqlen)
-                jobs.append(Job("flash_attn_fwd", params, problem))
+                jobs.append(Job(spec, params, problem))
     return jobs
 
 
-PRESETS = {"fwd-grid": fwd_grid}
+PRESETS = {"fwd-grid": fwd_grid,                      # the mma.sync family (sm_80 and later)
+           "fwd-sm90-grid": functools.partial(fwd_grid, spec="flash_attn_fwd_sm90")}
 
 
 def parse_shape(text: str) -> Problem:

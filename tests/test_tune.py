@@ -235,6 +235,39 @@ def test_the_workload_refuses_specs_it_cannot_feed(write_spec):
         measure.Workload(toy, toy.variant(), PROBLEM, device="cpu")
 
 
+def test_the_workload_feeds_tensor_maps_shaped_by_each_config(monkeypatch):
+    """The Hopper family: every candidate gets Q/K/V maps whose boxes are its own tile rows."""
+    pytest.importorskip("torch")
+    from kernelgen import api, measure, tma
+
+    spec = load_spec("flash_attn_fwd_sm90")
+    variant = spec.variant("sm_90a", head_dim=128, dtype="bf16", causal=False)
+    workload = measure.Workload(spec, variant, Problem(1, 2, 2, 300, 200), device="cpu")
+    monkeypatch.setattr(tma, "encode", lambda tiled, address: (tiled.box, address))
+    monkeypatch.setattr(api, "_current_stream", lambda device: 0)
+    launched = []
+
+    class Kernel:
+        def __init__(self, block_m, block_n):
+            self.spec, self.variant = spec, variant
+            self.config = spec.parse_config({**spec.default_config(variant).as_dict(),
+                                             "block_m": block_m, "block_n": block_n})
+
+        def grid(self, sizes):
+            return (1, 1, 1)
+
+        def launch(self, values, grid, device, stream):
+            launched.append(dict(zip(workload.names, values)))
+
+    for block_m, block_n in ((128, 176), (192, 64)):
+        workload.launcher(Kernel(block_m, block_n))()
+        values = launched[-1]
+        assert values["tmap_q"] == ((64, block_m, 2, 1, 1), workload.q.data_ptr())
+        assert values["tmap_k"] == ((64, block_n, 2, 1, 1), workload.k.data_ptr())
+        assert values["tmap_v"] == ((64, block_n, 2, 1, 1), workload.v.data_ptr())
+        assert values["q"] == workload.q.data_ptr() and values["seqlen_k"] == 200
+
+
 def test_tune_end_to_end_with_a_fake_gpu(fake_gpu, spec, variant, monkeypatch, capsys):
     """tune() wired up: pruning, the pool, the DB row with every trial, the memo. The GPU parts
     (device queries, inputs, candidates, compiling) are fakes; test_tune_gpu.py has the real run."""
@@ -356,6 +389,16 @@ def test_shipped_defaults_nearest_bucket_and_same_gpu_only(fake_gpu, spec, varia
     assert tune.lookup(spec, variant, small, device=0) == cfg(64, 64)
     other = spec.variant("sm_90", head_dim=64, dtype="bf16", causal=False)
     assert tune.resolve(spec, other, PROBLEM, device=0).source == "heuristic"
+
+
+def test_shipped_defaults_of_the_other_16_bit_dtype_stand_in(fake_gpu, spec, variant):
+    ship(fake_gpu, spec, variant, cfg(128, 64), PROBLEM.bucket().slug)            # bf16 measured
+    fp16 = spec.variant("sm_90", head_dim=128, dtype="fp16", causal=False)
+    assert tune.resolve(spec, fp16, PROBLEM, device=0) == tune.Choice(cfg(128, 64), "shipped")
+    ship(fake_gpu, spec, fp16, cfg(64, 32), PROBLEM.bucket().slug)               # its own wins
+    tune.clear_memo()
+    assert tune.lookup(spec, fp16, PROBLEM, device=0) == cfg(64, 32)
+    assert tune.lookup(spec, variant, PROBLEM, device=0) == cfg(128, 64)
 
 
 @pytest.mark.parametrize("text", ["not json", '{"format": 2, "entries": []}', '{"format": 1}',
