@@ -6,6 +6,7 @@ the input, and launches on torch's current stream without host synchronization.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -89,17 +90,42 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+# ---- the two forward families ------------------------------------------------------------------
+# sm80: the mma.sync kernels (spec flash_attn_fwd), for every GPU from sm_80 on. sm90: the Hopper
+# kernels (flash_attn_fwd_sm90: TMA, wgmma, warp specialization), chosen on compute capability 9.0
+# where they run about twice as fast. KERNELGEN_FORWARD=sm80|sm90 (read at import) forces one.
+FAMILIES = {"sm80": FWD_SPEC, "sm90": "flash_attn_fwd_sm90"}
+FORCED_FAMILY = os.environ.get("KERNELGEN_FORWARD") or None
+_SM90_ARCH = "sm_90a"
+
+
+def forward_family(device: int, family: str | None = None) -> str:
+    """The family a forward on `device` runs: `family`, else $KERNELGEN_FORWARD, else by GPU."""
+    family = family or FORCED_FAMILY
+    if family is None:
+        return "sm90" if torch.cuda.get_device_capability(device) == (9, 0) else "sm80"
+    if family not in FAMILIES:
+        raise ValueError(f"forward family must be one of {sorted(FAMILIES)} (family= or "
+                         f"KERNELGEN_FORWARD), got {family!r}")
+    if family == "sm90" and torch.cuda.get_device_capability(device) != (9, 0):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise RuntimeError(f"the sm90 forward family needs an sm_90 GPU (H100/H200); device "
+                           f"{device} is sm_{major}{minor}")
+    return family
+
+
 _KERNELS: dict[tuple, api.BoundKernel] = {}
 
 
-def _forward_kernel(head_dim: int, dtype: str, causal: bool, device: int,
-                    problem) -> api.BoundKernel:
-    """The forward kernel for a problem: its config comes from the tuner's lookup (in-process
-    memo, tuning DB, shipped tuned defaults, then the spec's heuristic default)."""
-    spec = load_spec(FWD_SPEC)
-    variant = spec.variant(arch=api.pick_arch(spec, device), head_dim=head_dim, dtype=dtype,
-                           causal=causal)
-    config = tune.lookup(spec, variant, problem, device)
+def _forward_kernel(head_dim: int, dtype: str, causal: bool, device: int, problem,
+                    family: str = "sm80", config: dict | None = None) -> api.BoundKernel:
+    """The forward kernel for a problem: its config is `config`, else the tuner's lookup
+    (in-process memo, tuning DB, shipped tuned defaults, then the spec's heuristic default)."""
+    spec = load_spec(FAMILIES[family])
+    arch = _SM90_ARCH if family == "sm90" else api.pick_arch(spec, device)
+    variant = spec.variant(arch=arch, head_dim=head_dim, dtype=dtype, causal=causal)
+    config = spec.parse_config(config) if config is not None else tune.lookup(spec, variant,
+                                                                               problem, device)
     key = (variant, config, device)
     kernel = _KERNELS.get(key)
     if kernel is None:
@@ -117,6 +143,7 @@ class _Plan:
     device: int
     grid: tuple
     scalars: tuple  # the kernel's arguments after the five pointers
+    maps: tuple     # sm90: the Q, K, V tensor-map layouts (tma.TiledMap, or bytes for none)
     out_shape: tuple
     lse_shape: tuple
     dtype: torch.dtype
@@ -126,25 +153,34 @@ _PLANS: dict[tuple, _Plan] = {}
 _MAX_PLANS = 4096
 
 
-def _plan(q, k, v, causal: bool, softmax_scale: float) -> _Plan:
+def _plan(q, k, v, causal: bool, softmax_scale: float, family: str | None = None,
+          config: dict | None = None) -> _Plan:
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     device = q.device.index
+    family = forward_family(device, family)
     kernel = _forward_kernel(head_dim, _DTYPES[q.dtype], causal, device,
-                             tune.Problem(batch, heads, heads_k, seqlen_q, seqlen_k))
+                             tune.Problem(batch, heads, heads_k, seqlen_q, seqlen_k), family, config)
+    maps = ()
+    if family == "sm90":
+        from kernelgen import hopper
+
+        maps = hopper.tensor_maps(kernel, q, k, v)
     out_strides = (seqlen_q * heads * head_dim, heads * head_dim, head_dim)  # torch.empty's layout
     grid = kernel.grid({"seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "heads": heads,
                         "heads_k": heads_k, "batch": batch})
     return _Plan(kernel, device, grid,
                  (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out_strides,
                   batch, heads, heads_k, seqlen_q, seqlen_k, softmax_scale),
-                 tuple(q.shape), (batch, heads, seqlen_q), q.dtype)
+                 maps, tuple(q.shape), (batch, heads, seqlen_q), q.dtype)
 
 
-def flash_attn_forward(q, k, v, causal: bool, softmax_scale: float):
-    """Launch the forward kernel. Inputs must already be validated. Returns (out, lse)."""
+def flash_attn_forward(q, k, v, causal: bool, softmax_scale: float, family: str | None = None,
+                       config: dict | None = None):
+    """Launch the forward kernel on validated inputs; returns (out, lse). `family` ("sm80" or
+    "sm90") and `config` (the family's tune keys) override the automatic choices."""
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
-    return _launch(_plan(q, k, v, causal, softmax_scale), q, k, v)
+    return _launch(_plan(q, k, v, causal, softmax_scale, family, config), q, k, v)
 
 
 def _launch(plan: _Plan, q, k, v):
@@ -152,8 +188,13 @@ def _launch(plan: _Plan, q, k, v):
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    plan.kernel.launch((q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                        *plan.scalars), plan.grid, plan.device, api._current_stream(plan.device))
+    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), *plan.scalars)
+    if plan.maps:
+        from kernelgen import tma
+
+        args += tuple(m if isinstance(m, bytes) else tma.encode(m, t.data_ptr())
+                      for m, t in zip(plan.maps, (q, k, v)))
+    plan.kernel.launch(args, plan.grid, plan.device, api._current_stream(plan.device))
     return out, lse
 
 

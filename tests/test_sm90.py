@@ -107,30 +107,40 @@ def test_encode_needs_an_aligned_address():
         tma.encode(m, 0x1008)
 
 
-def test_encode_is_cached_per_map_and_address(monkeypatch):
-    calls = []
+@pytest.fixture
+def fresh_maps(monkeypatch):
+    for name, value in (("_CACHE", {}), ("_TEMPLATES", {}), ("_PATCHABLE", None)):
+        monkeypatch.setattr(tma, name, value)
+
+
+def test_encode_is_cached_per_map_and_address(monkeypatch, fresh_maps):
+    calls = []   # a driver whose maps do not hold the address where patching expects it
     monkeypatch.setattr(tma, "_encode", lambda m, address: calls.append(address) or bytes(128))
-    monkeypatch.setattr(tma, "_CACHE", {})
     m = tma.attention_map((1, 16, 1, 64), (1024, 64, 64, 1), "bf16", 64, 128)
-    for address in (0x1000, 0x1000, 0x2000, 0x1000):
+    for address in (0x1000, 0x1000, 0x2000, 0x1000, 0x3000):
         assert tma.encode(m, address) == bytes(128)
-    assert calls == [0x1000, 0x2000]
+    assert calls == [0x1000, 0x2000, 0x3000] and tma._PATCHABLE is False
 
 
-def test_misaligned_sources_are_copied_to_aligned_storage():
-    import torch
+def test_a_new_address_is_patched_in_once_patching_is_verified(monkeypatch, fresh_maps):
+    calls = []
 
-    from kernelgen import hopper
+    def expected(m, address):   # the H200's driver: the address in word 0, the layout after it
+        return address.to_bytes(8, "little") + bytes([m.box[1]]) * 120
 
-    flat = torch.randn(2 * 33 * 4 * 64 + 4, dtype=torch.bfloat16)
-    view = flat[4:].view(2, 33, 4, 64)  # contiguous, but starts 8 bytes into an aligned buffer
-    assert view.is_contiguous() and view.data_ptr() % 16 == 8
-    copy = hopper._aligned(view)
-    assert copy.data_ptr() % 16 == 0 and torch.equal(copy, view)
-    strided = torch.randn(2, 33, 4, 70, dtype=torch.bfloat16)[..., :64]  # heads 140 bytes apart
-    assert hopper._aligned(strided).stride()[:3] == (33 * 4 * 64, 4 * 64, 64)
-    aligned = torch.randn(2, 33, 4, 64, dtype=torch.bfloat16)
-    assert hopper._aligned(aligned) is aligned
+    monkeypatch.setattr(tma, "_encode", lambda m, address: calls.append(address) or expected(m, address))
+    m = tma.attention_map((1, 16, 1, 64), (1024, 64, 64, 1), "bf16", 64, 128)
+    other = tma.attention_map((1, 16, 1, 64), (1024, 64, 64, 1), "bf16", 32, 128)
+    for address in (0x1000, 0x2000, 0x3000, 0x4000):
+        assert tma.encode(m, address) == expected(m, address)
+    assert calls[:2] == [0x1000, 0x2000] and tma._PATCHABLE is True
+    calls.clear()
+    assert tma.encode(m, 0x5000) == expected(m, 0x5000)
+    assert tma.encode(other, 0x5000) == expected(other, 0x5000)
+    assert tma.encode(other, 0x6000) == expected(other, 0x6000)
+    assert calls == [0x5000]   # only the new layout's first map is encoded
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        tma.encode(m, 0x5008)
 
 
 # ---- the `tmap` launch argument --------------------------------------------------------------
@@ -241,3 +251,48 @@ def test_sass_of_a_warp_specialized_wgmma_kernel(built, variant, config):
     assert "(C75" not in binary.log, binary.log
     # The reported count is the launch-bound share (65536 / threads), not the setmaxnreg budgets.
     assert binary.registers <= 65536 // (128 * (config["block_m"] // 64 + 1))
+
+
+# ---- dispatch: which family flash_attn_func runs ------------------------------------------------
+
+def test_the_forward_family_follows_the_gpu_unless_forced(monkeypatch):
+    import torch
+
+    from kernelgen import ops
+
+    capabilities = {0: (9, 0), 1: (8, 0), 2: (10, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capabilities[device])
+    monkeypatch.setattr(ops, "FORCED_FAMILY", None)
+    assert [ops.forward_family(d) for d in (0, 1, 2)] == ["sm90", "sm80", "sm80"]
+    assert ops.forward_family(0, "sm80") == "sm80"
+    monkeypatch.setattr(ops, "FORCED_FAMILY", "sm80")   # KERNELGEN_FORWARD=sm80
+    assert ops.forward_family(0) == "sm80" and ops.forward_family(0, "sm90") == "sm90"
+    with pytest.raises(RuntimeError, match="needs an sm_90 GPU"):
+        ops.forward_family(1, "sm90")
+    with pytest.raises(ValueError, match="KERNELGEN_FORWARD"):
+        ops.forward_family(0, "sm100")
+
+
+def test_tensor_maps_follow_the_kernel_tiles_and_the_operand_strides():
+    import torch
+
+    from kernelgen import hopper
+
+    spec = load_spec("flash_attn_fwd_sm90")
+    variant = spec.variant("sm_90a", head_dim=64, dtype="fp16", causal=True)
+
+    class Kernel:
+        def __init__(self, block_m, block_n):
+            self.spec, self.variant = spec, variant
+            self.config = spec.parse_config({**spec.default_config(variant).as_dict(),
+                                             "block_m": block_m, "block_n": block_n})
+
+    q = torch.randn(2, 100, 8, 64, dtype=torch.float16)
+    kv = torch.randn(2, 8, 300, 64, dtype=torch.float16).transpose(1, 2)   # (b, s, h, d) view
+    maps = hopper.tensor_maps(Kernel(192, 96), q, kv, kv)
+    assert [m.box for m in maps] == [(64, 192, 1, 1, 1), (64, 96, 1, 1, 1), (64, 96, 1, 1, 1)]
+    assert maps[0].strides == (8 * 64 * 2, 128, 64 * 2, 100 * 8 * 64 * 2)
+    assert maps[1].strides == (64 * 2, 128, 300 * 64 * 2, 8 * 300 * 64 * 2)
+    assert maps[1].dims == (64, 300, 1, 8, 2)
+    empty = hopper.tensor_maps(Kernel(128, 128), q, kv[:, :0], kv[:, :0])
+    assert empty == (bytes(tma.MAP_BYTES),) * 3

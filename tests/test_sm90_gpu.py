@@ -2,7 +2,9 @@
 
 The oracle is test_attention.py's `check` (float32 reference, FlashAttention's rule, LSE, rows that
 see no key, NaN-poisoned outputs); it calls `kernelgen.flash_attn_func`, which the fixture below
-points at the explicit sm90 call, since flash_attn_func does not dispatch to these kernels yet."""
+points at the explicit sm90 call (taking a config). flash_attn_func itself runs these kernels on
+compute capability 9.0: test_attention.py covers that path, and the mma.sync family on this GPU
+when run with KERNELGEN_FORWARD=sm80."""
 import pytest
 import torch
 
@@ -127,11 +129,11 @@ def test_fully_masked_rows_and_empty_keys():
 def test_agrees_with_the_sm80_family():
     """Same inputs through flash_attn_func (mma.sync) and the Hopper kernels: both within the
     rule of the reference, and close to each other."""
-    from kernelgen.ops import flash_attn_func
+    from kernelgen.ops import flash_attn_forward
 
     torch.manual_seed(4)
     q, k, v = (make(2, 1024, 4, 128, torch.bfloat16) for _ in range(3))
-    out_80, lse_80 = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    out_80, lse_80 = flash_attn_forward(q, k, v, True, 128 ** -0.5, family="sm80")
     out_90, lse_90 = forward(q, k, v, True)
     torch.cuda.synchronize()
     assert (lse_80 - lse_90).abs().max().item() < 2e-3
@@ -152,6 +154,27 @@ def test_repeated_call_compiles_encodes_and_loads_nothing(monkeypatch):
     monkeypatch.setattr(tma, "_encode", fail)
     forward(q, q, q, False)
     torch.cuda.synchronize()
+
+
+def test_flash_attn_func_runs_the_hopper_family_here(monkeypatch):
+    """Dispatch on compute capability 9.0, and per call only the addresses change: once a layout's
+    map has been seen at two addresses, a third is patched in without cuTensorMapEncodeTiled."""
+    from kernelgen import ops, tma
+
+    monkeypatch.setattr(ops, "FORCED_FAMILY", None)
+    monkeypatch.setattr(ops, "_PLANS", {})
+    tensors = [make(1, 257, 2, 64, torch.bfloat16) for _ in range(3)]
+    for t in tensors[:2]:
+        ops.flash_attn_func(t, t, t)
+    plan = next(iter(ops._PLANS.values()))
+    assert plan.kernel.spec.name == "flash_attn_fwd_sm90" and len(plan.maps) == 3
+    assert tma._PATCHABLE is True, "this driver's tensor maps do not keep the address in word 0"
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a known layout at a new address was encoded again")
+
+    monkeypatch.setattr(tma, "_encode", fail)
+    check(tensors[2], tensors[2], tensors[2], False)
 
 
 def test_errors_name_the_argument():
