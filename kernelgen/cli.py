@@ -19,6 +19,10 @@ from kernelgen.spec import ARCHS, KernelSpec, Param, SpecError, load_spec, shipp
 _BOOLS = {"true": True, "1": True, "false": False, "0": False}
 # These commands own their flags: everything after the command name goes to their main().
 _PASS_THROUGH = {"bench": "kernelgen.bench", "tune": "kernelgen.tune", "cache": "kernelgen.cache"}
+_PASS_THROUGH_HELP = {
+    "bench": "time kernelgen against SDPA and FlexAttention (--mods: the modifiers; "
+             "--plot FILE.json: redraw the PNG without a GPU); see `kernelgen bench --help`",
+}
 
 
 def _show(value) -> str:
@@ -171,7 +175,8 @@ def _parser() -> argparse.ArgumentParser:
 
     for name, module in _PASS_THROUGH.items():
         # add_help=False: `kernelgen bench --help` is answered by bench itself.
-        sub.add_parser(name, add_help=False, help=f"see `kernelgen {name} --help`").set_defaults(
+        help_text = _PASS_THROUGH_HELP.get(name, f"see `kernelgen {name} --help`")
+        sub.add_parser(name, add_help=False, help=help_text).set_defaults(
             run=lambda args, module=module: _delegate(module, args.rest))
     return parser
 
