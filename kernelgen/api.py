@@ -39,6 +39,8 @@ def pick_arch(spec: KernelSpec, device: int | None = None) -> str:
     arch = device_arch(device)
     if arch in spec.archs:
         return arch
+    if arch + "a" in spec.archs:   # sm_90a code runs on exactly sm_90: a spec for it fits
+        return arch + "a"
     raise RuntimeError(
         f"kernelgen: spec {spec.name!r} has no variant for this GPU ({arch}); it supports {list(spec.archs)}"
     )
