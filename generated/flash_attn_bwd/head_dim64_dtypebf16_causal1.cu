@@ -1,5 +1,5 @@
 // Generated from specs/flash_attn_bwd.yaml by `kernelgen render --generated`; do not edit.
-// flash_attn_bwd__head_dim64_dtypebf16_causal1__sm_80__block_m128_block_n128_warps8_dsplit1_stages2
+// flash_attn_bwd__head_dim64_dtypebf16_causal1__sm_80__block_m128_block_n128_warps8_dsplit1_stages2_grid_order0
 // flash_attn_bwd: exact attention backward, dK and dV (FlashAttention-2, see kernelgen/flash_bwd_sm80.cuh)
 // and dQ added into an fp32 accumulator, for one KV tile per CTA:
 //   P[i, j]  = exp(scale * Q[i] . K[j] - LSE[i])        (masked: 0; causal: j <= i + seqlen_k - seqlen_q)
@@ -9,13 +9,14 @@
 // heads, head_dim); k, v, dk, dv: (batch, seqlen_k, heads_k, head_dim); lse, dsum: (batch, heads,
 // seqlen_q) fp32; dq_accum: (batch, seqlen_q, heads, head_dim) fp32 or null (then no dQ).
 // Variant: head_dim=64 dtype=bf16 causal=true arch=sm_80
-// Config:  block_m=128 block_n=128 warps=8 dsplit=1 stages=2
+// Config:  block_m=128 block_n=128 warps=8 dsplit=1 stages=2 grid_order=0
 #include "kernelgen/flash_bwd_sm80.cuh"
 
 using elem_t = kg::bf16_t;
 using Config = kg::BwdConfig<elem_t, /*HEAD_DIM=*/64, /*BLOCK_M=*/128,
                              /*BLOCK_N=*/128, /*WARPS=*/8, /*DSPLIT=*/1,
-                             /*STAGES=*/2, /*CAUSAL=*/true>;
+                             /*STAGES=*/2, /*CAUSAL=*/true,
+                             /*GRID_ORDER=*/0>;
 static_assert(Config::kSmemBytes == 147456, "spec's smem formula disagrees with the kernel");
 static_assert(Config::kDqWarpsM == 4, "spec's dQ warp tiling disagrees with the kernel");
 

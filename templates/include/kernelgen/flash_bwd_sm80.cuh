@@ -52,13 +52,18 @@ constexpr int dq_warps_m(int warps, int block_m, int head_dim) {
 // Columns of dQ one warp accumulates at a time: at most 64 (32 registers per 16 rows).
 constexpr int dq_chunk(int cols) { return cols <= 64 ? cols : cols % 64 == 0 ? 64 : 48; }
 
+// GRID_ORDER 0: grid (n_blocks, heads_k, batch), the KV tiles of one head side by side (its Q, dO
+// and dQ accumulator stay in L2 for them). 1: grid (heads_k, batch, n_blocks), every head's tile
+// of one KV block together; causal (bottom-right) gives the first KV tiles the most query rows,
+// so that is longest-first over the whole grid, and the short tiles fill the last wave.
 template <class Elem_, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int DSPLIT, int STAGES,
-          bool CAUSAL>
+          bool CAUSAL, int GRID_ORDER = 0>
 struct BwdConfig {
     using Elem = Elem_;
     static constexpr int kHeadDim = HEAD_DIM, kBlockM = BLOCK_M, kBlockN = BLOCK_N;
     static constexpr int kWarps = WARPS, kThreads = WARPS * 32, kStages = STAGES, kDSplit = DSPLIT;
     static constexpr bool kCausal = CAUSAL;
+    static constexpr int kGridOrder = GRID_ORDER;
     static constexpr int kRowsPerWarp = BLOCK_N * DSPLIT / WARPS;  // KV rows
     static constexpr int kMTiles = kRowsPerWarp / 16;
     static constexpr int kSliceM = BLOCK_M / DSPLIT, kSTiles = kSliceM / 8;     // query columns
@@ -88,6 +93,7 @@ struct BwdConfig {
     static_assert(WARPS % kDqWarpsM == 0 && BLOCK_M / 16 % kDqWarpsM == 0 &&
                   kDqCols % 16 == 0 && kDqCols % kDqChunk == 0, "dQ tiles the warps evenly");
     static_assert(STAGES >= 2, "a ring of one stage cannot overlap loads with math");
+    static_assert(GRID_ORDER == 0 || GRID_ORDER == 1, "two grid orders");
 };
 
 // P = 0 for masked (key, query) pairs: keys at or past seqlen_k and, for causal, keys past the
@@ -155,7 +161,9 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdArgs<typename C::Elem>& 
     using Elem = typename C::Elem;
     extern __shared__ __align__(128) unsigned char smem[];
 
-    const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+    const int n_block = C::kGridOrder == 0 ? blockIdx.x : blockIdx.z;
+    const int kv_head = C::kGridOrder == 0 ? blockIdx.y : blockIdx.x;
+    const int batch = C::kGridOrder == 0 ? blockIdx.z : blockIdx.y;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int group = a.heads / a.heads_k;
     const int kv0 = n_block * C::kBlockN;
