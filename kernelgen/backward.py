@@ -7,6 +7,8 @@ Launches on torch's current stream, without host synchronization:
      the input dtype.
 With deterministic=True, step 2 runs without atomics and flash_attn_bwd_dq computes dQ per query
 tile (recomputing P and dP), so that the gradients are bitwise identical from run to run.
+The main kernel's config comes from the tuner (tune.lookup per problem: `kernelgen tune
+flash_attn_bwd ...` measures it, measure_bwd.py is its workload); prep and dQ take their defaults.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernelgen import api, ops
+from kernelgen import api, ops, tune
 from kernelgen.spec import load_spec
 
 PREP_SPEC, MAIN_SPEC, DQ_SPEC = "flash_attn_bwd_prep", "flash_attn_bwd", "flash_attn_bwd_dq"
@@ -27,21 +29,41 @@ class _Kernels:
     dq: api.BoundKernel | None  # the deterministic path only
 
 
+# Per (variant, device, deterministic, problem): a repeated call is one dict lookup, as ops' plans.
+# Like those, an entry keeps the config it was made with when a later tune() in this process
+# finds a better one; tune.clear_memo() and a new process see it.
 _KERNELS: dict[tuple, _Kernels] = {}
+_MAX_KERNELS = 4096
 
 
-def _load(name: str, device: int, **params) -> api.BoundKernel:
+def _load(name: str, device: int, config=None, **params) -> api.BoundKernel:
     spec = load_spec(name)
-    return api.load(spec, arch=api.pick_arch(spec, device), **params)
+    return api.load(spec, arch=api.pick_arch(spec, device), config=config, **params)
 
 
-def _kernels(head_dim: int, dtype: str, causal: bool, device: int, deterministic: bool) -> _Kernels:
-    key = (head_dim, dtype, causal, device, deterministic)
+def _main_config(device: int, problem: tune.Problem, **params):
+    """The main kernel's config: the tuner's lookup (memo, tuning DB, shipped tuned defaults, then
+    the spec's heuristic). The deterministic path takes the same one, tuned with dQ atomics: its
+    main kernel does that work minus the dQ product."""
+    spec = load_spec(MAIN_SPEC)
+    variant = spec.variant(arch=api.pick_arch(spec, device), **params)
+    return tune.lookup(spec, variant, problem, device).as_dict()
+
+
+def _kernels(head_dim: int, dtype: str, causal: bool, device: int, deterministic: bool,
+             sizes: tuple[int, int, int, int, int]) -> _Kernels:
+    """sizes: (batch, heads, heads_k, seqlen_q, seqlen_k), a tune.Problem's fields; a plain tuple
+    so that a hit builds no dataclass."""
+    key = (head_dim, dtype, causal, device, deterministic, sizes)
     kernels = _KERNELS.get(key)
     if kernels is None:
         variant = dict(head_dim=head_dim, dtype=dtype, causal=causal)
-        kernels = _Kernels(_load(PREP_SPEC, device, dtype=dtype), _load(MAIN_SPEC, device, **variant),
+        problem = tune.Problem(*sizes)
+        kernels = _Kernels(_load(PREP_SPEC, device, dtype=dtype),
+                           _load(MAIN_SPEC, device, _main_config(device, problem, **variant), **variant),
                            _load(DQ_SPEC, device, **variant) if deterministic else None)
+        if len(_KERNELS) >= _MAX_KERNELS:
+            _KERNELS.clear()
         _KERNELS[key] = kernels
     for kernel in (kernels.prep, kernels.main, kernels.dq):
         if kernel is not None and not kernel.kernel.loaded_on(device):
@@ -95,7 +117,9 @@ def flash_attn_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: fl
         dout = dout.contiguous()
     q, k, v, out, dout = (ops._aligned(t) for t in (q, k, v, out, dout))
     device = q.device.index
-    kernels = _kernels(q.shape[-1], ops._DTYPES[q.dtype], bool(causal), device, bool(deterministic))
+    batch, seqlen_q, heads, head_dim = q.shape
+    kernels = _kernels(head_dim, ops._DTYPES[q.dtype], bool(causal), device, bool(deterministic),
+                       (batch, heads, k.shape[2], seqlen_q, k.shape[1]))
     return _run(kernels, _launcher(device), dout, q, k, v, out, lse.contiguous(), float(softmax_scale))
 
 
@@ -111,29 +135,46 @@ def _launcher(device: int):
     return launch
 
 
-def _run(kernels: _Kernels, launch, dout, q, k, v, out, lse, scale: float):
-    """The launches, with tensors (None for a null pointer) in each kernel's argument order."""
+@dataclass(frozen=True)
+class _Buffers:
+    """What one backward writes: D, the fp32 dQ accumulator (None on the deterministic path), and
+    the gradients. The tuner passes its own, to poison them before a candidate runs."""
+    dsum: torch.Tensor
+    dq_accum: torch.Tensor | None
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+
+
+def _buffers(q, k, deterministic: bool) -> _Buffers:
+    batch, seqlen_q, heads, _ = q.shape
+    return _Buffers(
+        torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device),
+        None if deterministic else torch.empty(q.shape, dtype=torch.float32, device=q.device),
+        torch.empty(q.shape, dtype=q.dtype, device=q.device),
+        torch.empty(k.shape, dtype=k.dtype, device=k.device),
+        torch.empty(k.shape, dtype=k.dtype, device=k.device))
+
+
+def _run(kernels: _Kernels, launch, dout, q, k, v, out, lse, scale: float,
+         buffers: _Buffers | None = None):
+    """The launches, with tensors (None for a null pointer) in each kernel's argument order;
+    returns (dq, dk, dv), the tensors of `buffers` when given."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     sizes = {"batch": batch, "heads": heads, "heads_k": heads_k, "seqlen_q": seqlen_q,
              "seqlen_k": seqlen_k, "head_dim": head_dim}
-    dsum = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
-    dq_accum = None if kernels.dq is not None else torch.empty(
-        (batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=q.device)
-    launch(kernels.prep, (out, dout, dsum, dq_accum, *_strides(out), *_strides(dout),
+    b = _buffers(q, k, kernels.dq is not None) if buffers is None else buffers
+    launch(kernels.prep, (out, dout, b.dsum, b.dq_accum, *_strides(out), *_strides(dout),
                           batch, heads, seqlen_q, head_dim), sizes)
-
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    launch(kernels.main, (q, k, v, dout, lse, dsum, dq_accum, dk, dv,
+    launch(kernels.main, (q, k, v, dout, lse, b.dsum, b.dq_accum, b.dk, b.dv,
                           *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
-                          *_strides(dk), *_strides(dv),
+                          *_strides(b.dk), *_strides(b.dv),
                           batch, heads, heads_k, seqlen_q, seqlen_k, scale), sizes)
-    if dq_accum is not None:  # already scaled by the kernel
-        return dq_accum.to(q.dtype), dk, dv
-
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    launch(kernels.dq, (q, k, v, dout, lse, dsum, dq,
-                        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
-                        batch, heads, heads_k, seqlen_q, seqlen_k, scale), sizes)
-    return dq, dk, dv
+    if b.dq_accum is not None:  # already scaled by the kernel
+        b.dq.copy_(b.dq_accum)
+    else:
+        launch(kernels.dq, (q, k, v, dout, lse, b.dsum, b.dq,
+                            *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
+                            *_strides(b.dq), batch, heads, heads_k, seqlen_q, seqlen_k, scale), sizes)
+    return b.dq, b.dk, b.dv

@@ -131,8 +131,9 @@ def tune(spec, problem: Problem, *, variant: Variant | None = None, arch: str | 
     identity, limits = gpu_identity(device), measure.device_limits(device)
     configs, rejected = prune(spec, variant, limits)
     with torch.cuda.device(device):
-        workload = measure.Workload(spec, variant, problem, device)
-        candidates = [measure.AttentionCandidate(workload, spec, variant, c, rep_ms) for c in configs]
+        workload_class, candidate_class = _measurers(spec)
+        workload = workload_class(spec, variant, problem, device)
+        candidates = [candidate_class(workload, spec, variant, c, rep_ms) for c in configs]
         with _progress(progress, len(candidates), variant) as on_trial, \
                 ThreadPoolExecutor(max_workers=jobs or _default_jobs(len(candidates))) as pool:
             trials = search(candidates, functools.partial(build, spec, variant, limits), pool, on_trial)
@@ -146,6 +147,16 @@ def tune(spec, problem: Problem, *, variant: Variant | None = None, arch: str | 
     if result.chosen is not None:
         _remember(spec, variant, problem, device, Choice(result.chosen.config, "tuned"))
     return result
+
+
+def _measurers(spec: KernelSpec):
+    """(workload class, candidate class) for `spec`: the backward's main kernel has inputs and a
+    check of its own (measure_bwd.py); measure.py's serve the forward and refuse the rest."""
+    from kernelgen import measure, measure_bwd
+
+    if measure_bwd.feeds(spec):
+        return measure_bwd.Workload, measure_bwd.Candidate
+    return measure.Workload, measure.AttentionCandidate
 
 
 def _default_jobs(count: int) -> int:

@@ -3,6 +3,7 @@
     kernelgen tune SPEC [--set head_dim=128 ...] --shape batch=4,seqlen=8192,heads=16 [--shape ...]
     kernelgen tune --preset fwd-grid [--head-dims 128] [--seqlens 4096 8192] [--causal true]
     kernelgen tune --preset fwd-sm90-grid ...   (the Hopper family, on an sm_90 GPU)
+    kernelgen tune --preset bwd-grid ...        (the backward's main kernel, flash_attn_bwd)
     kernelgen tune --export FILE          (also after a tuning run: the DB in the shipped format)
 """
 from __future__ import annotations
@@ -45,7 +46,11 @@ def fwd_grid(head_dims=(64, 128, 256), seqlens=GRID_SEQLENS, causals=(False, Tru
 
 
 PRESETS = {"fwd-grid": fwd_grid,                      # the mma.sync family (sm_80 and later)
-           "fwd-sm90-grid": functools.partial(fwd_grid, spec="flash_attn_fwd_sm90")}
+           "fwd-sm90-grid": functools.partial(fwd_grid, spec="flash_attn_fwd_sm90"),
+           "bwd-grid": functools.partial(fwd_grid, spec="flash_attn_bwd")}   # the backward's main kernel
+# FLOPs of a spec's run per forward FLOP: the backward's five products to the forward's two (the
+# FlashAttention papers' convention; its prep and dQ cast are in the time but count nothing).
+FLOPS_PER_FORWARD = {"flash_attn_bwd": 2.5}
 
 
 def parse_shape(text: str) -> Problem:
@@ -79,8 +84,8 @@ def _flops(result: TuneResult) -> float | None:
     from kernelgen.bench import attention_flops
 
     p = result.problem
-    return attention_flops(p.batch, p.heads, p.seqlen_q, p.seqlen_k, params["head_dim"],
-                           bool(params.get("causal", False)))
+    return FLOPS_PER_FORWARD.get(result.spec, 1.0) * attention_flops(
+        p.batch, p.heads, p.seqlen_q, p.seqlen_k, params["head_dim"], bool(params.get("causal", False)))
 
 
 def format_table(result: TuneResult, top: int = 0) -> str:
