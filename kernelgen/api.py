@@ -25,6 +25,19 @@ def _current_stream(device: int) -> int:
     return _TORCH_RAW_STREAM(device)
 
 
+_SM_COUNTS: dict[int, int] = {}
+
+
+def sm_count(device: int) -> int:
+    """Multiprocessors of a CUDA device (a grid expression's `sm_count`), read once per device."""
+    count = _SM_COUNTS.get(device)
+    if count is None:
+        import torch
+
+        count = _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return count
+
+
 def device_arch(device: int | None = None) -> str:
     """sm_XY of a CUDA device (the current one by default), through torch."""
     import torch
@@ -66,6 +79,7 @@ class BoundKernel:
         return f"BoundKernel({self.source.name})"
 
     def grid(self, scalars: dict) -> tuple[int, int, int]:
+        """The grid for these runtime scalars (and `sm_count`, where the spec's grid uses it)."""
         env = dict(self._env)
         env.update(scalars)
         return tuple(int(e(env)) for e in self._grid)
@@ -91,6 +105,7 @@ class BoundKernel:
 
             device = torch.cuda.current_device()
         scalars = {n: args[n] for n in self._scalars}
+        scalars["sm_count"] = sm_count(device)
         self.launch(tuple(values), self.grid(scalars), device,
                     _current_stream(device) if stream is None else stream)
 

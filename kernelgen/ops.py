@@ -168,7 +168,7 @@ def _plan(q, k, v, causal: bool, softmax_scale: float, family: str | None = None
         maps = hopper.tensor_maps(kernel, q, k, v)
     out_strides = (seqlen_q * heads * head_dim, heads * head_dim, head_dim)  # torch.empty's layout
     grid = kernel.grid({"seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "heads": heads,
-                        "heads_k": heads_k, "batch": batch})
+                        "heads_k": heads_k, "batch": batch, "sm_count": api.sm_count(device)})
     return _Plan(kernel, device, grid,
                  (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out_strides,
                   batch, heads, heads_k, seqlen_q, seqlen_k, softmax_scale),

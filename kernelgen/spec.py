@@ -49,7 +49,7 @@ ARG_CTYPES = {"ptr": "void*", "i32": "int", "i64": "long long", "f32": "float",
               "tmap": "const __grid_constant__ kg::TensorMap"}
 # Names the environment and the template context define themselves (see render.py).
 CONTEXT_NAMES = frozenset({"max_smem", "arch_number", "arch", "entry", "args", "signature", "mods",
-                           "param_values"})
+                           "param_values", "sm_count"})
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _SLUG_TEXT = re.compile(r"[A-Za-z0-9_]+\Z")  # string param values end up in file names
@@ -563,9 +563,14 @@ def _rules(tune: dict, at: _At, space, known: list[str]):
     return constraints, tuple(defaults)
 
 
+# Known only when launching, on the device at hand: grid expressions may use it (a persistent
+# kernel launches one CTA per SM), block and smem may not (they are fixed per compiled kernel).
+GRID_NAMES = ("sm_count",)
+
+
 def _launch(value, at: _At, names: list[str]) -> tuple:
     launch = _keys(value, at, ("grid", "block"), ("smem",))
-    return (_triple(launch["grid"], at["grid"], names),
+    return (_triple(launch["grid"], at["grid"], [*names, *GRID_NAMES]),
             _triple(launch["block"], at["block"], names),
             _formula(launch.get("smem", "0"), at["smem"], names))
 

@@ -211,9 +211,14 @@ def test_degraded_hopper_code_fails_to_compile(cache_dir, source, entry):
 # checked on the bf16 defaults (and the schedules no default uses), compiling them once more.
 BF16_VARIANTS = [v for v in SPEC.variants() if v["dtype"] == "bf16"]
 OTHER_CONFIGS = [  # (head_dim, causal, config)
-    (128, True, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 0}),
-    (128, False, {"block_m": 128, "block_n": 128, "stages": 3, "schedule": 1}),
-    (64, True, {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2}),   # 3 consumers
+    (128, True, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 0, "persistent": 0}),
+    (128, False, {"block_m": 128, "block_n": 128, "stages": 3, "schedule": 1, "persistent": 0}),
+    (64, True, {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 0}),  # 3 consumers
+    # Persistent, each schedule: the tile loop keeps the same instructions, no spills.
+    (128, False, {"block_m": 128, "block_n": 176, "stages": 2, "schedule": 2, "persistent": 1}),
+    (128, True, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 1}),
+    (256, True, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 0, "persistent": 1}),
+    (64, False, {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 1}),
 ]
 BUILDS = [(v, SPEC.default_config(v)) for v in BF16_VARIANTS] + [
     (SPEC.variant(head_dim=d, dtype="bf16", causal=c), SPEC.parse_config(cfg))

@@ -95,9 +95,19 @@ CASES = [
     (192, torch.float16, False, (1, 130, 377, 2, 1), None, True),    # overlap only
     (256, torch.bfloat16, True, (1, 1, 300, 1, 1), None, False),     # one query row
     (64, torch.bfloat16, False, (1, 200, 517, 2, 1),
-     {"block_m": 128, "block_n": 64, "stages": 3, "schedule": 0}, True),
+     {"block_m": 128, "block_n": 64, "stages": 3, "schedule": 0, "persistent": 0}, True),
     (64, torch.bfloat16, True, (1, 250, 400, 1, 1),
-     {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2}, False),  # three consumers
+     {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 0}, False),  # three consumers
+    # Persistent: emulate.EMULATED_SMS (3) CTAs loop over more tiles than that, the rings and
+    # barrier phases running on across tiles (and across empty tiles, which only write zeros).
+    (128, torch.bfloat16, False, (2, 200, 600, 2, 1),
+     {"block_m": 128, "block_n": 176, "stages": 2, "schedule": 2, "persistent": 1}, True),
+    (128, torch.float16, True, (1, 300, 130, 2, 2),
+     {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 1}, False),
+    (64, torch.bfloat16, True, (1, 250, 400, 2, 1),
+     {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 1}, True),
+    (96, torch.bfloat16, False, (2, 130, 300, 1, 1),
+     {"block_m": 128, "block_n": 128, "stages": 3, "schedule": 0, "persistent": 1}, False),
 ]
 
 

@@ -59,15 +59,20 @@ def test_forward(head_dim, dtype, causal, seqlens):
 
 # Each schedule and the tile shapes no default uses, on their own: a failure names the schedule.
 CONFIGS = [
-    (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 0}),  # plain
-    (96, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 0}),
-    (256, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 0}),
-    (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1}),  # overlap
-    (64, {"block_m": 128, "block_n": 64, "stages": 3, "schedule": 1}),    # 3 stages
-    (128, {"block_m": 128, "block_n": 176, "stages": 2, "schedule": 2}),  # overlap + pingpong
-    (256, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 2}),
-    (64, {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2}),    # 3 consumer warpgroups
-    (96, {"block_m": 192, "block_n": 64, "stages": 2, "schedule": 1}),
+    (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 0, "persistent": 0}),  # plain
+    (96, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 0, "persistent": 0}),
+    (256, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 0, "persistent": 0}),
+    (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 0}),  # overlap
+    (64, {"block_m": 128, "block_n": 64, "stages": 3, "schedule": 1, "persistent": 0}),    # 3 stages
+    (128, {"block_m": 128, "block_n": 176, "stages": 2, "schedule": 2, "persistent": 0}),  # overlap + pingpong
+    (256, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 2, "persistent": 0}),
+    (64, {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 0}),    # 3 consumer warpgroups
+    (96, {"block_m": 192, "block_n": 64, "stages": 2, "schedule": 1, "persistent": 0}),
+    # Persistent: a CTA per SM looping over tiles (causal: longest first, empty tiles in the mix).
+    (128, {"block_m": 128, "block_n": 176, "stages": 2, "schedule": 2, "persistent": 1}),
+    (128, {"block_m": 128, "block_n": 128, "stages": 3, "schedule": 1, "persistent": 1}),
+    (64, {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 1}),
+    (256, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 0, "persistent": 1}),
 ]
 
 

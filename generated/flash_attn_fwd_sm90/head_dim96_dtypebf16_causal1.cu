@@ -1,12 +1,12 @@
 // Generated from specs/flash_attn_fwd_sm90.yaml by `kernelgen render --generated`; do not edit.
-// flash_attn_fwd_sm90__head_dim96_dtypebf16_causal1__sm_90a__block_m128_block_n128_stages2_schedule2
+// flash_attn_fwd_sm90__head_dim96_dtypebf16_causal1__sm_90a__block_m128_block_n128_stages2_schedule2_persistent0
 // flash_attn_fwd_sm90: exact attention forward for Hopper, TMA + mbarriers + wgmma (kernelgen/flash_fwd_sm90.cuh).
 //   O[b, i, h, :] = sum_j softmax_j(scale * Q[b, i, h, :] . K[b, j, h / (heads / heads_k), :]) V[b, j, ...]
 //   LSE[b, h, i]  = logsumexp_j(scale * Q[b, i, h, :] . K[b, j, ...])      (natural log, fp32)
 //   causal: query i sees keys j <= i + seqlen_k - seqlen_q (bottom-right aligned).
 // Q, K, V are read through the tensor maps (the pointers and their strides are for the host).
 // Variant: head_dim=96 dtype=bf16 causal=true arch=sm_90a
-// Config:  block_m=128 block_n=128 stages=2 schedule=2
+// Config:  block_m=128 block_n=128 stages=2 schedule=2 persistent=0
 #include "kernelgen/flash_fwd_sm90.cuh"
 
 using elem_t = kg::bf16_t;
@@ -68,8 +68,9 @@ struct PvGemm {
 
 using Config = kg::Sm90Config<elem_t, /*HEAD_DIM=*/96, /*BLOCK_M=*/128,
                               /*BLOCK_N=*/128, /*STAGES=*/2,
-                              /*CAUSAL=*/true, /*SCHEDULE=*/2, QkGemm, PvGemm>;
-static_assert(Config::kSmemBytes == 123976, "spec's smem formula disagrees with the kernel");
+                              /*CAUSAL=*/true, /*SCHEDULE=*/2,
+                              /*PERSISTENT=*/false, QkGemm, PvGemm>;
+static_assert(Config::kSmemBytes == 123984, "spec's smem formula disagrees with the kernel");
 static_assert(Config::kThreads == 384, "spec's thread count disagrees with the kernel");
 static_assert(Config::kSwizzle == 64, "the host's tensor maps use the spec's swizzle");
 static_assert(Config::kConsumerRegs == 240, "spec's register budget disagrees");

@@ -28,6 +28,9 @@ HERE = Path(__file__).resolve().parent
 INCLUDE = REPO_ROOT / "templates" / "include"
 BUILD_DIR = Path(tempfile.gettempdir()) / f"kernelgen-emulator-{os.getuid()}"
 _GUARD = 256
+# What a grid expression's `sm_count` reads here: few, so a persistent kernel's CTAs each loop over
+# several tiles.
+EMULATED_SMS = 3
 _CANARY = 0xA5
 
 
@@ -80,6 +83,7 @@ def build(spec, variant, config, transform=None) -> Path:
 
 def _launch_geometry(spec, variant, config, scalars: dict):
     env = spec.environment(variant, config)
+    env["sm_count"] = EMULATED_SMS
     env.update(scalars)
     grid = tuple(int(e(env)) for e in spec.grid)
     block = tuple(int(e(env)) for e in spec.block)

@@ -20,6 +20,10 @@
 // head dims that are not a multiple of 64) for every row of the tile, as TMA writes it with a
 // rank-5 box {SWIZZLE/2, rows, panels, 1, 1}. KV blocks are visited last to first (the masked
 // tail and causal diagonal first), like FA3.
+//
+// PERSISTENT: a CTA per SM loops over tiles (TileSchedule); the K/V ring and the barrier phases
+// run on from tile to tile, and empty_q tells the producer when the epilogue (which stages O in
+// the Q tile) is done with Q, so the next tile's K/V loads overlap this tile's epilogue.
 #pragma once
 #include "kernelgen/flash_fwd_sm80.cuh"  // FwdArgs: the argument list both families share
 #include "kernelgen/mbarrier.cuh"
@@ -34,7 +38,7 @@ namespace kg {
 // SCHEDULE 0: plain (QK^T, softmax, PV in turn); 1: intra-warpgroup overlap; 2: overlap plus
 // pingpong between the consumer warpgroups (see sm90_consume).
 template <class Elem_, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool CAUSAL,
-          int SCHEDULE, class QkGemm_, class PvGemm_>
+          int SCHEDULE, bool PERSISTENT, class QkGemm_, class PvGemm_>
 struct Sm90Config {
     using Elem = Elem_;
     using QkGemm = QkGemm_;
@@ -44,6 +48,7 @@ struct Sm90Config {
     static constexpr bool kCausal = CAUSAL;
     static constexpr int kSchedule = SCHEDULE;
     static constexpr bool kPingpong = SCHEDULE == 2;
+    static constexpr bool kPersistent = PERSISTENT;  // loop over tiles (TileSchedule)
     static constexpr int kConsumers = BLOCK_M / 64;          // one warpgroup per 64 query rows
     static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
     // Per-thread register budgets after setmaxnreg (FA3's: 24/240 for 2 consumers, 32/160 for 3).
@@ -56,7 +61,7 @@ struct Sm90Config {
     static constexpr u32 kTileQ = BLOCK_M * HEAD_DIM * 2, kTileKV = BLOCK_N * HEAD_DIM * 2;
     static constexpr u32 kOffK = kTileQ, kOffV = kOffK + STAGES * kTileKV;
     static constexpr u32 kOffBarriers = kOffV + STAGES * kTileKV;
-    static constexpr int kBarriers = 1 + 4 * STAGES;  // full_q, full_k[], empty_k[], full_v[], empty_v[]
+    static constexpr int kBarriers = 2 + 4 * STAGES;  // full_q, empty_q, full_k[], empty_k[], full_v[], empty_v[]
     static constexpr u32 kSmemBytes = 1024 + kOffBarriers + 8 * kBarriers;  // + 1024: realignment
 
     static_assert(BLOCK_M == 128 || BLOCK_M == 192, "two or three consumer warpgroups");
@@ -72,26 +77,80 @@ template <class C>
 struct Sm90Barriers {
     u32 base;
     __device__ __forceinline__ u32 full_q() const { return base; }
-    __device__ __forceinline__ u32 full_k(int s) const { return base + 8 * (1 + s); }
-    __device__ __forceinline__ u32 empty_k(int s) const { return base + 8 * (1 + C::kStages + s); }
-    __device__ __forceinline__ u32 full_v(int s) const { return base + 8 * (1 + 2 * C::kStages + s); }
-    __device__ __forceinline__ u32 empty_v(int s) const { return base + 8 * (1 + 3 * C::kStages + s); }
+    __device__ __forceinline__ u32 empty_q() const { return base + 8; }
+    __device__ __forceinline__ u32 full_k(int s) const { return base + 8 * (2 + s); }
+    __device__ __forceinline__ u32 empty_k(int s) const { return base + 8 * (2 + C::kStages + s); }
+    __device__ __forceinline__ u32 full_v(int s) const { return base + 8 * (2 + 2 * C::kStages + s); }
+    __device__ __forceinline__ u32 empty_v(int s) const { return base + 8 * (2 + 3 * C::kStages + s); }
 };
 
-// The producer thread: Q once, then K and V of every KV block this tile sees, last block first.
+// One tile: BLOCK_M query rows of one (batch, head), and the KV blocks they see.
+struct TileWork {
+    int head, batch, row0, q_rows, n_blocks;
+};
+
+template <class C>
+__device__ __forceinline__ TileWork tile_work(const FwdArgs<typename C::Elem>& a, int m_block,
+                                              int head, int batch) {
+    const int row0 = m_block * C::kBlockM;
+    const int q_rows = min(a.seqlen_q - row0, C::kBlockM);
+    int kv_end = a.seqlen_k;
+    if constexpr (C::kCausal) kv_end = min(kv_end, row0 + q_rows + a.seqlen_k - a.seqlen_q);
+    return TileWork{head, batch, row0, q_rows, kv_end > 0 ? cdiv(kv_end, C::kBlockN) : 0};
+}
+
+// The tiles one CTA computes, in order. Not persistent: the one tile of its blockIdx (causal: the
+// last query tiles, which see the most keys, launch first). Persistent (at most one CTA per SM):
+// linear tiles blockIdx.x, blockIdx.x + gridDim.x, ...; causal takes the last query tile of every
+// (batch, head) first, so the short tiles fill in at the end (longest first); otherwise the query
+// tiles of one head are neighbours and share its K and V in L2. The producer and every consumer
+// walk the same list, and the smem rings and barrier phases run on across tiles, so the next
+// tile's loads overlap this tile's epilogue.
+template <class C>
+struct TileSchedule {
+    int m_blocks, heads, count;
+    __device__ __forceinline__ explicit TileSchedule(const FwdArgs<typename C::Elem>& a)
+        : m_blocks(cdiv(a.seqlen_q, C::kBlockM)), heads(a.heads),
+          count(C::kPersistent ? m_blocks * a.heads * a.batch : 1) {}
+    __device__ __forceinline__ int first() const { return C::kPersistent ? blockIdx.x : 0; }
+    __device__ __forceinline__ int step() const { return C::kPersistent ? gridDim.x : 1; }
+    __device__ __forceinline__ TileWork at(const FwdArgs<typename C::Elem>& a, int t) const {
+        if constexpr (!C::kPersistent)
+            return tile_work<C>(a, C::kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x,
+                                blockIdx.y, blockIdx.z);
+        int m_block, hb;
+        if constexpr (C::kCausal) {
+            const int pairs = count / m_blocks;
+            m_block = m_blocks - 1 - t / pairs;
+            hb = t % pairs;
+        } else {
+            m_block = t % m_blocks;
+            hb = t / m_blocks;
+        }
+        return tile_work<C>(a, m_block, hb % heads, hb / heads);
+    }
+    // Whether a tile after t in this CTA's list has a KV block to compute.
+    __device__ __forceinline__ bool more_work(const FwdArgs<typename C::Elem>& a, int t) const {
+        for (int u = t + step(); u < count; u += step())
+            if (at(a, u).n_blocks > 0) return true;
+        return false;
+    }
+};
+
+// The producer thread, for the `tile`-th tile of this CTA whose first KV block is the ring's
+// `it0`-th: Q once the consumers are done with the previous tile's (its epilogue stages O there),
+// then K and V of every KV block this tile sees, last block first.
 template <class C>
 __device__ __forceinline__ void sm90_produce(u32 base, Sm90Barriers<C> bar, const TensorMap& map_q,
                                              const TensorMap& map_k, const TensorMap& map_v,
-                                             int row0, int head, int kv_head, int batch,
-                                             int n_blocks) {
-    tma_prefetch(map_q);
-    tma_prefetch(map_k);
-    tma_prefetch(map_v);
+                                             const TileWork& w, int kv_head, int it0, int tile) {
+    const int row0 = w.row0, head = w.head, batch = w.batch, n_blocks = w.n_blocks;
+    mbarrier_wait(bar.empty_q(), u32(tile & 1) ^ 1);
     mbarrier_arrive_expect_tx(bar.full_q(), C::kTileQ);
     tma_load_5d(base, map_q, bar.full_q(), 0, row0, 0, head, batch, kEvictFirst);
     for (int i = 0; i < n_blocks; ++i) {
-        const int s = i % C::kStages;
-        const u32 parity = (i / C::kStages) & 1;
+        const int s = (it0 + i) % C::kStages;
+        const u32 parity = ((it0 + i) / C::kStages) & 1;
         const int col0 = (n_blocks - 1 - i) * C::kBlockN;
         mbarrier_wait(bar.empty_k(s), parity ^ 1);
         mbarrier_arrive_expect_tx(bar.full_k(s), C::kTileKV);
@@ -228,7 +287,7 @@ struct IssueTurns {
     __device__ __forceinline__ void acquire() const {
         if constexpr (C::kPingpong) named_barrier_sync(kSchedBarrier + wg, 256);
     }
-    // The last warpgroup's last hand-off would have no taker: skip it.
+    // The last warpgroup's last hand-off of the CTA's last tile would have no taker: skip it.
     __device__ __forceinline__ void release(bool last) const {
         if constexpr (C::kPingpong)
             if (!(last && wg == C::kConsumers - 1))
@@ -237,11 +296,15 @@ struct IssueTurns {
 };
 
 // One consumer warpgroup: query rows 64 * wg .. 64 * wg + 63 of the tile.
+// `it0`: the ring position of the tile's first KV block; `tile`: how many tiles this CTA has
+// done (the parity of full_q); `final`: no later tile of this CTA has work (pingpong's last turn).
 template <class C>
 __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a, unsigned char* tiles,
-                                             u32 smem_u32, Sm90Barriers<C> bar, int wg, int row0,
-                                             int q_rows, int n_blocks, typename C::Elem* o,
-                                             float* lse) {
+                                             u32 smem_u32, Sm90Barriers<C> bar, IssueTurns<C> turns,
+                                             const TileWork& w, int it0, int tile, bool final) {
+    const int wg = turns.wg, row0 = w.row0, q_rows = w.q_rows, n_blocks = w.n_blocks;
+    typename C::Elem* o = a.o + w.batch * a.o_stride_b + w.head * a.o_stride_h + row0 * a.o_stride_s;
+    float* lse = a.lse + (i64(w.batch) * a.heads + w.head) * a.seqlen_q + row0;
     using Elem = typename C::Elem;
     constexpr int kSw = C::kSwizzle;
     constexpr int kAccS = C::kBlockN / 2, kAccO = C::kHeadDim / 2;  // fp32 registers per thread
@@ -251,9 +314,11 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     const u64 desc_q = desc_k_major<kSw>(smem_u32 + wg * 64 * kSw);
     const u64 desc_k = desc_k_major<kSw>(smem_u32 + C::kOffK);
     const u64 desc_v = desc_mn_major<kSw>(smem_u32 + C::kOffV, C::kBlockN * kSw);
-    const auto stage = [](int i) { return i % C::kStages; };
-    const auto parity = [](int i) { return u32(i / C::kStages) & 1; };
-    const auto stage_desc = [](u64 desc, int i) { return desc + ((i % C::kStages) * C::kTileKV >> 4); };
+    const auto stage = [it0](int i) { return (it0 + i) % C::kStages; };
+    const auto parity = [it0](int i) { return u32((it0 + i) / C::kStages) & 1; };
+    const auto stage_desc = [it0](u64 desc, int i) {
+        return desc + (((it0 + i) % C::kStages) * C::kTileKV >> 4);
+    };
     const auto col0 = [n_blocks](int i) { return (n_blocks - 1 - i) * C::kBlockN; };
 
     float acc_o[kAccO], acc_s[kAccS], alpha[2];
@@ -264,8 +329,6 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     const float scale_log2 = a.softmax_scale * kLog2e;
     const int wg_row0 = row0 + wg * 64;
     const int lane_row = wg_row0 + warp * 16 + lane / 4;  // this thread's rows: lane_row, +8
-    const IssueTurns<C> turns{wg};
-    turns.start();
 
     // Wait for S of block i; then its K slot is free.
     const auto finish_qk = [&](int i) {
@@ -279,7 +342,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         for (int kk = 0; kk < C::kBlockN / 16; ++kk) fence_operands(p[kk]);
     };
 
-    mbarrier_wait(bar.full_q(), 0);
+    mbarrier_wait(bar.full_q(), u32(tile & 1));
     if constexpr (C::kSchedule == 0) {
         // Plain: S, softmax, O += P V, one block after the other (the other warpgroups fill in).
         for (int i = 0; i < n_blocks; ++i) {
@@ -338,7 +401,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         fence_pv_operands();
         wgmma_fence();
         issue_pv<C>(acc_o, p, stage_desc(desc_v, last));
-        turns.release(true);
+        turns.release(final);
         wgmma_wait<0>();
         fence_operands(acc_o);
         if (lane == 0) mbarrier_arrive(bar.empty_v(stage(last)));
@@ -372,32 +435,37 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             *reinterpret_cast<uint4*>(o + r * a.o_stride_s + c) =
                 *reinterpret_cast<const uint4*>(tiles + panel_offset<C>(C::kBlockM, r, c));
     }
+    // The staging reads are done: the next tile's Q may land here (one arrival per warp).
+    fence_proxy_async_shared();
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(bar.empty_q());
+}
+
+// A tile whose rows all see no key: O = 0, LSE = -inf, by `threads` threads numbered from 0.
+template <class C>
+__device__ __forceinline__ void write_empty_tile(const FwdArgs<typename C::Elem>& a,
+                                                 const TileWork& w, int thread, int threads) {
+    typename C::Elem* o = a.o + w.batch * a.o_stride_b + w.head * a.o_stride_h + w.row0 * a.o_stride_s;
+    float* lse = a.lse + (i64(w.batch) * a.heads + w.head) * a.seqlen_q + w.row0;
+    for (int i = thread; i < w.q_rows * C::kHeadDim; i += threads)
+        o[(i / C::kHeadDim) * a.o_stride_s + i % C::kHeadDim] = typename C::Elem{0};
+    for (int i = thread; i < w.q_rows; i += threads) lse[i] = neg_inf();
 }
 
 template <class C>
 __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& a,
                                                const TensorMap& map_q, const TensorMap& map_k,
                                                const TensorMap& map_v) {
-    using Elem = typename C::Elem;
     extern __shared__ __align__(1024) unsigned char smem[];
 
-    // Causal: the last query tiles see the most keys; launch them first.
-    const int m_block = C::kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int head = blockIdx.y, batch = blockIdx.z;
-    const int kv_head = head / (a.heads / a.heads_k);
-    const int row0 = m_block * C::kBlockM;
-    const int q_rows = min(a.seqlen_q - row0, C::kBlockM);
-    int kv_end = a.seqlen_k;
-    if constexpr (C::kCausal) kv_end = min(kv_end, row0 + q_rows + a.seqlen_k - a.seqlen_q);
-    const int n_blocks = kv_end > 0 ? cdiv(kv_end, C::kBlockN) : 0;
-
-    Elem* o = a.o + batch * a.o_stride_b + head * a.o_stride_h + row0 * a.o_stride_s;
-    float* lse = a.lse + (i64(batch) * a.heads + head) * a.seqlen_q + row0;
-    if (n_blocks == 0) {  // every row of the tile sees no key: O = 0, LSE = -inf
-        for (int i = threadIdx.x; i < q_rows * C::kHeadDim; i += C::kThreads)
-            o[(i / C::kHeadDim) * a.o_stride_s + i % C::kHeadDim] = Elem{0};
-        for (int i = threadIdx.x; i < q_rows; i += C::kThreads) lse[i] = neg_inf();
-        return;
+    const TileSchedule<C> tiles_of_cta(a);
+    const int group = a.heads / a.heads_k;
+    if constexpr (!C::kPersistent) {
+        const TileWork w = tiles_of_cta.at(a, 0);
+        if (w.n_blocks == 0) {  // every row of the tile sees no key: no barriers, no loads
+            write_empty_tile<C>(a, w, threadIdx.x, C::kThreads);
+            return;
+        }
     }
 
     // Swizzled tiles need 1024-byte alignment; the dynamic smem base is only guaranteed 16.
@@ -406,24 +474,48 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
     const Sm90Barriers<C> bar{base + C::kOffBarriers};
     if (threadIdx.x == 0) {
         mbarrier_init(bar.full_q(), 1);
+        mbarrier_init(bar.empty_q(), 4 * C::kConsumers);  // one arrival per consumer warp
         for (int s = 0; s < C::kStages; ++s) {
             mbarrier_init(bar.full_k(s), 1);
             mbarrier_init(bar.full_v(s), 1);
-            mbarrier_init(bar.empty_k(s), 4 * C::kConsumers);  // one arrival per consumer warp
+            mbarrier_init(bar.empty_k(s), 4 * C::kConsumers);
             mbarrier_init(bar.empty_v(s), 4 * C::kConsumers);
         }
         mbarrier_fence_init();
     }
     __syncthreads();  // the last CTA-wide barrier: the producer's idle threads exit below
 
+    // `it`: KV blocks through the ring so far; `done`: tiles with work so far (Q's phase).
+    int it = 0, done = 0;
     if (threadIdx.x < 128) {
         setmaxnreg_dec<C::kProducerRegs>();
-        if (threadIdx.x == 0)
-            sm90_produce<C>(base, bar, map_q, map_k, map_v, row0, head, kv_head, batch, n_blocks);
+        if (threadIdx.x == 0) {
+            tma_prefetch(map_q);
+            tma_prefetch(map_k);
+            tma_prefetch(map_v);
+            for (int t = tiles_of_cta.first(); t < tiles_of_cta.count; t += tiles_of_cta.step()) {
+                const TileWork w = tiles_of_cta.at(a, t);
+                if (w.n_blocks == 0) continue;
+                sm90_produce<C>(base, bar, map_q, map_k, map_v, w, w.head / group, it, done);
+                it += w.n_blocks;
+                ++done;
+            }
+        }
         return;
     }
     setmaxnreg_inc<C::kConsumerRegs>();
-    sm90_consume<C>(a, tiles, base, bar, threadIdx.x / 128 - 1, row0, q_rows, n_blocks, o, lse);
+    const IssueTurns<C> turns{int(threadIdx.x / 128) - 1};
+    turns.start();
+    for (int t = tiles_of_cta.first(); t < tiles_of_cta.count; t += tiles_of_cta.step()) {
+        const TileWork w = tiles_of_cta.at(a, t);
+        if (w.n_blocks == 0) {   // persistent only: the other case returned above
+            write_empty_tile<C>(a, w, threadIdx.x - 128, C::kThreads - 128);
+            continue;
+        }
+        sm90_consume<C>(a, tiles, base, bar, turns, w, it, done, !tiles_of_cta.more_work(a, t));
+        it += w.n_blocks;
+        ++done;
+    }
 }
 
 }  // namespace kg

@@ -32,4 +32,10 @@ __device__ __forceinline__ void tma_load_5d(u32 dst, const TensorMap& map, u32 b
         : "memory");
 }
 
+// Orders this thread's generic-proxy shared-memory accesses before later async-proxy ones (a TMA
+// load into the same bytes, once an mbarrier hands them over).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
 }  // namespace kg
