@@ -344,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mods", nargs="*", metavar="NAME",
                         help="the modifier benchmark instead of the grid: window, softcap, alibi, "
                              "document (none named: all)")
+    parser.add_argument("--systems", nargs="+", metavar="NAME",
+                        help="time only these (kernelgen, kg_sm80, sdpa_flash, sdpa_cudnn, flex); "
+                             "default: all that run here")
     parser.add_argument("--plot", metavar="FILE.json",
                         help="only redraw the PNG (FILE.png beside it) from a saved bench.json")
     return parser
@@ -402,6 +405,12 @@ def main(args=None) -> int:
     print(f"python overhead per flash_attn_func call: {overhead:.1f} us")
     unavailable: dict = {}
     found = systems(unavailable)
+    if opts.systems:
+        unknown = [name for name in opts.systems if name not in found and name not in unavailable]
+        if unknown:
+            parser.error(f"--systems: unknown {', '.join(unknown)}; allowed: "
+                         f"{', '.join([*found, *unavailable])}")
+        found = {name: fn for name, fn in found.items() if name in opts.systems}
     print(header(list(found)))
     results = run_grid(opts.head_dims or [64, 128, 256],
                        opts.seqlens or [512, 1024, 2048, 4096, 8192, 16384], causals, passes,
