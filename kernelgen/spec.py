@@ -464,19 +464,29 @@ def _read_yaml(text: bytes, at: _At) -> dict:
                  ("description", "derived", "template", "mods"))
 
 
-def _extended(text: bytes, path: Path, at: _At, seen: tuple[Path, ...] = ()) -> tuple[dict, bytes]:
+def _extended(text: bytes, path: Path, at: _At, seen: tuple[Path, ...] = (),
+              onto: str | None = None) -> tuple[dict, bytes]:
     """The spec's top-level mapping with `extends:` resolved, and the bytes its hash covers.
 
     The child's keys replace the base's, except `params`, `derived` and `tune`, which are merged
     one level deep (the child adds or redefines entries: `tune: {defaults: [...]}` keeps the
-    base's space and constraints). The base's template is kept unless the child names one."""
+    base's space and constraints). The base's template is kept unless the child names one.
+    `onto`: extend that spec instead of the one named (see load_spec), without the child's
+    `tune` (written for the other base's space), under the name `<child>__<onto>`."""
     try:
         doc = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError:
         return _read_yaml(text, at), text  # _read_yaml reports the error with its line
     if not isinstance(doc, dict) or "extends" not in doc:
+        if onto is not None:
+            raise at.error(f"only a spec that extends another can be put onto {onto!r}",
+                           "a spec with `extends:`")
         return _read_yaml(text, at), text
     base_name = doc.pop("extends")
+    if onto is not None:
+        base_name = onto
+        doc.pop("tune", None)
+        doc["name"] = f"{doc.get('name')}__{Path(onto).stem}"
     if not isinstance(base_name, str):
         raise at["extends"].error(f"expected a spec name or path, got {_kind(base_name)}")
     relative = path.parent / base_name
@@ -575,9 +585,9 @@ def _launch(value, at: _At, names: list[str]) -> tuple:
             _formula(launch.get("smem", "0"), at["smem"], names))
 
 
-def _parse(path: Path, text: bytes) -> KernelSpec:
+def _parse(path: Path, text: bytes, onto: str | None = None) -> KernelSpec:
     at = _At(_display(path))
-    top, hashed = _extended(text, path, at)
+    top, hashed = _extended(text, path, at, onto=onto)
     name = _identifier(top["name"], at["name"])
     names = _Names()
     params = tuple(_param(names.define(key, at["params"][key]), value, at["params"][key])
@@ -638,16 +648,20 @@ def _stamp(path: Path) -> tuple[int, int] | None:
     return stat.st_mtime_ns, stat.st_size
 
 
-_loaded: dict[Path, tuple[tuple, KernelSpec]] = {}
+_loaded: dict[tuple[Path, str | None], tuple[tuple, KernelSpec]] = {}
 
 
-def load_spec(spec: str | Path) -> KernelSpec:
+def load_spec(spec: str | Path, onto: str | None = None) -> KernelSpec:
+    """The spec of a shipped name or a .yaml path. `onto`: a spec that extends one base (a mods
+    spec extending flash_attn_fwd, say) put onto another base instead (flash_attn_bwd: the same
+    mods in the backward; flash_attn_fwd_sm90: in the Hopper forward), with that base's tune
+    space and defaults, named `<spec>__<onto>`; its expressions keep their file and lines."""
     path = _locate(spec)
-    cached = _loaded.get(path)
+    cached = _loaded.get((path, onto))
     # The template is part of content_hash, so an edit to either one reloads.
     if cached and cached[0] == (_stamp(path), _stamp(cached[1].template)):
         return cached[1]
     stamp = _stamp(path)  # before reading: an edit during the read then reloads next time
-    loaded = _parse(path, path.read_bytes())
-    _loaded[path] = ((stamp, _stamp(loaded.template)), loaded)
+    loaded = _parse(path, path.read_bytes(), onto)
+    _loaded[(path, onto)] = ((stamp, _stamp(loaded.template)), loaded)
     return loaded

@@ -294,3 +294,22 @@ def test_yaml_level_errors(write_spec, text, fragment):
     with pytest.raises(SpecError) as info:
         load_spec(path)
     assert str(info.value).startswith(f"{path}: ") and fragment in str(info.value)
+
+
+def test_a_mods_spec_put_onto_another_base():
+    """The same modifiers on the backward or the Hopper forward: that base's args, space and
+    template, the child's mods (expressions still pointing at its file and lines), no child tune."""
+    from kernelgen.spec import load_spec
+
+    softcap = load_spec("flash_attn_softcap")
+    onto = load_spec("flash_attn_softcap", onto="flash_attn_fwd_sm90")
+    base = load_spec("flash_attn_fwd_sm90")
+    assert onto.name == "flash_attn_softcap__flash_attn_fwd_sm90" and onto.entry == base.entry
+    assert [a.name for a in onto.args] == [a.name for a in base.args] + ["softcap"]
+    assert onto.space == base.space and onto.defaults == base.defaults
+    assert onto.template == base.template
+    assert onto.mods.score_mod == softcap.mods.score_mod   # same text, file and line
+    assert onto.content_hash not in (softcap.content_hash, base.content_hash)
+    assert load_spec("flash_attn_softcap", onto="flash_attn_fwd_sm90") is onto   # cached
+    with pytest.raises(SpecError, match="only a spec that extends another"):
+        load_spec("flash_attn_fwd", onto="flash_attn_bwd")
