@@ -234,8 +234,15 @@ def flash_attn_func(q, k, v, causal: bool = False, softmax_scale: float | None =
         out, lse = torch.ops.kernelgen.flash_attn_fwd(q, k, v, bool(causal), _scale(q, softmax_scale),
                                                       bool(deterministic))
         return (out, lse) if return_lse else out
-    # Fast path: a call whose shapes, strides, dtypes and devices were validated before reuses
-    # that plan; only the pointers (alignment) are checked again.
+    out, lse = checked_forward(q, k, v, causal, softmax_scale)
+    return (out, lse) if return_lse else out
+
+
+def checked_forward(q, k, v, causal, softmax_scale):
+    """Validate, plan and launch the forward; (out, lse). The path of every call outside
+    torch.compile (flash_attn_func, and the library op autograd runs). A call whose shapes,
+    strides, dtypes and devices were validated before reuses that plan: only the pointers
+    (alignment) are checked again."""
     try:
         signature = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
                      k.dtype, v.dtype, q.device, k.device, v.device, causal, softmax_scale)
@@ -243,8 +250,7 @@ def flash_attn_func(q, k, v, causal: bool = False, softmax_scale: float | None =
     except (AttributeError, TypeError):  # not tensors, or an unhashable scale: the full checks say why
         signature = plan = None
     if plan is not None and (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0:
-        out, lse = _launch(plan, q, k, v)
-        return (out, lse) if return_lse else out
+        return _launch(plan, q, k, v)
     _check_inputs(q, k, v)
     causal, scale = bool(causal), _scale(q, softmax_scale)
     aligned = _aligned(q), _aligned(k), _aligned(v)
@@ -253,5 +259,4 @@ def flash_attn_func(q, k, v, causal: bool = False, softmax_scale: float | None =
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[signature] = plan
-    out, lse = _launch(plan, *aligned)
-    return (out, lse) if return_lse else out
+    return _launch(plan, *aligned)

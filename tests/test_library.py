@@ -141,3 +141,24 @@ def test_capture_refuses_to_compile(monkeypatch):
     with pytest.raises(RuntimeError, match="capture"):
         with torch.cuda.graph(graph):
             kernelgen.flash_attn_func(q, q, q, causal=True)
+
+
+@gpu
+@pytest.mark.gpu
+def test_a_training_step_reuses_its_launch_plans(monkeypatch):
+    """Under autograd the forward runs as the library op: a repeated shape must not be checked,
+    planned or looked up again (host time per step matters at short sequences)."""
+    from kernelgen import ops
+
+    q, k, v = _inputs()
+    kernelgen.flash_attn_func(q, k, v, causal=True).sum().backward()
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a repeated call planned or validated again")
+
+    monkeypatch.setattr(ops, "_plan", fail)
+    monkeypatch.setattr(ops, "_check_inputs", fail)
+    q2, k2, v2 = _inputs()
+    kernelgen.flash_attn_func(q2, k2, v2, causal=True).sum().backward()
+    torch.cuda.synchronize()
+    assert q2.grad is not None and torch.isfinite(q2.grad).all()
