@@ -44,12 +44,14 @@ def emulated_wgmma(text: str) -> str:
     return text
 
 
-def forward(q, k, v, causal, config=None, seed=0, lazy=False):
+def forward(q, k, v, causal, config=None, seed=0, lazy=False, spec=SPEC, mod_args=None):
+    """The emulated kernel of `spec` (this family, or a mods spec put onto it), with the mod
+    arguments `mod_args` by name (tensors for `ptr`); returns (out, lse)."""
     head_dim = q.shape[-1]
-    variant = SPEC.variant(head_dim=head_dim, dtype=NAMES[q.dtype], causal=causal)
-    config = SPEC.default_config(variant) if config is None else SPEC.parse_config(config)
-    assert not SPEC.violations(variant, config)
-    env = SPEC.environment(variant, config)
+    variant = spec.variant(head_dim=head_dim, dtype=NAMES[q.dtype], causal=causal)
+    config = spec.default_config(variant) if config is None else spec.parse_config(config)
+    assert not spec.violations(variant, config)
+    env = spec.environment(variant, config)
     batch, seqlen_q, heads, _ = q.shape
     out = torch.full_like(q, float("nan")).contiguous()
     lse = torch.full((batch, heads, seqlen_q), float("nan"))
@@ -62,15 +64,17 @@ def forward(q, k, v, causal, config=None, seed=0, lazy=False):
                for i, dim in enumerate("bsh")}
     args = dict(q=q, k=k, v=v, o=out, lse=lse, batch=batch, heads=heads, heads_k=k.shape[2],
                 seqlen_q=seqlen_q, seqlen_k=k.shape[1], softmax_scale=1 / math.sqrt(head_dim),
-                **strides, **maps)
-    emulate.run(SPEC, variant, config, args, seed=seed, defer=lazy, transform=emulated_wgmma)
+                **strides, **maps, **(mod_args or {}))
+    emulate.run(spec, variant, config, args, seed=seed, defer=lazy, transform=emulated_wgmma)
     return out, lse
 
 
-def check(q, k, v, causal, **kwargs):
+def check(q, k, v, causal, score_mod=None, mask_mod=None, **kwargs):
+    """forward() against the float32 reference applying the same score_mod / mask_mod."""
     out, lse = forward(q, k, v, causal, **kwargs)
-    out_ref, lse_ref = attention_ref(q, k, v, causal, upcast=True)
-    out_pt, _ = attention_ref(q, k, v, causal, upcast=False)
+    mods = dict(score_mod=score_mod, mask_mod=mask_mod)
+    out_ref, lse_ref = attention_ref(q, k, v, causal, upcast=True, **mods)
+    out_pt, _ = attention_ref(q, k, v, causal, upcast=False, **mods)
     assert not out.isnan().any(), "output has NaN (unwritten or bad math)"
     err, err_pt = max_error(out, out_ref), max_error(out_pt, out_ref)
     assert err <= 2 * err_pt + rounding_allowance(out_ref), (err, err_pt)
@@ -80,6 +84,7 @@ def check(q, k, v, causal, **kwargs):
     if finite.any():
         assert (lse[finite] - lse_ref[finite]).abs().max().item() < 2e-3
     assert torch.all(out[(~finite).transpose(1, 2)] == 0), "rows that see no key give 0"
+    return lse
 
 
 def make(batch, seqlen, heads, head_dim, dtype=torch.bfloat16):
@@ -108,6 +113,10 @@ CASES = [
      {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 1}, True),
     (96, torch.bfloat16, False, (2, 130, 300, 1, 1),
      {"block_m": 128, "block_n": 128, "stages": 3, "schedule": 0, "persistent": 1}, False),
+    # A CTA whose every tile sees no key (the third of three: query tiles 0..2 are empty), with
+    # pingpong: it must not hand out a first turn no warpgroup takes.
+    (128, torch.bfloat16, True, (1, 600, 130, 1, 1),
+     {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 1}, True),
 ]
 
 

@@ -5,6 +5,8 @@
 //   LSE[b, h, i]  = logsumexp_j(scale * Q[b, i, h, :] . K[b, j, ...])      (natural log, fp32)
 //   causal: query i sees keys j <= i + seqlen_k - seqlen_q (bottom-right aligned).
 // Q, K, V are read through the tensor maps (the pointers and their strides are for the host).
+// A spec's mods (score_mod, mask_mod, kv_range; their arguments follow the tensor maps) are
+// applied as in the sm80 family; without mods the Mods struct below switches everything off.
 // Variant: head_dim=256 dtype=fp16 causal=false arch=sm_90a
 // Config:  block_m=128 block_n=80 stages=2 schedule=1 persistent=0
 #include "kernelgen/flash_fwd_sm90.cuh"
@@ -89,6 +91,40 @@ static_assert(Config::kThreads == 384, "spec's thread count disagrees with the k
 static_assert(Config::kSwizzle == 128, "the host's tensor maps use the spec's swizzle");
 static_assert(Config::kConsumerRegs == 240, "spec's register budget disagrees");
 
+// The spec's attention modifiers (kernelgen/flash_fwd_sm80.cuh says what each one does).
+struct Mods {
+    static constexpr int head_dim = 256;
+    static constexpr bool causal = false;
+    static constexpr bool kScoreMod = false;
+    static constexpr bool kMaskMod = false;
+    static constexpr bool kKvRange = false;
+
+    __device__ __forceinline__ float score_mod(float score, int batch, int head, int q_idx,
+                                               int kv_idx, int seqlen_q, int seqlen_k) const {
+        return score;
+    }
+    __device__ __forceinline__ bool mask_mod(int batch, int head, int q_idx, int kv_idx,
+                                             int seqlen_q, int seqlen_k) const {
+        return true;
+    }
+    __device__ __forceinline__ int kv_lo(int q_first, int q_last, int batch, int head,
+                                        int seqlen_q, int seqlen_k) const {
+        return 0;
+    }
+    __device__ __forceinline__ int kv_hi(int q_first, int q_last, int batch, int head,
+                                        int seqlen_q, int seqlen_k) const {
+        return 1 << 30;
+    }
+    __device__ __forceinline__ int full_lo(int q_first, int q_last, int batch, int head,
+                                        int seqlen_q, int seqlen_k) const {
+        return 0;
+    }
+    __device__ __forceinline__ int full_hi(int q_first, int q_last, int batch, int head,
+                                        int seqlen_q, int seqlen_k) const {
+        return 1 << 30;
+    }
+};
+
 // minBlocksPerSM = 1 gives ptxas the entry register count, without which setmaxnreg is dropped.
 extern "C" __global__ void __launch_bounds__(Config::kThreads, 1)
 flash_attn_fwd_sm90(const elem_t* q, const elem_t* k, const elem_t* v, elem_t* o, float* lse, long long q_stride_b, long long q_stride_s, long long q_stride_h, long long k_stride_b, long long k_stride_s, long long k_stride_h, long long v_stride_b, long long v_stride_s, long long v_stride_h, long long o_stride_b, long long o_stride_s, long long o_stride_h, int batch, int heads, int heads_k, int seqlen_q, int seqlen_k, float softmax_scale, const __grid_constant__ kg::TensorMap tmap_q, const __grid_constant__ kg::TensorMap tmap_k, const __grid_constant__ kg::TensorMap tmap_v) {
@@ -98,5 +134,6 @@ flash_attn_fwd_sm90(const elem_t* q, const elem_t* k, const elem_t* v, elem_t* o
                                    v_stride_b, v_stride_s, v_stride_h,
                                    o_stride_b, o_stride_s, o_stride_h,
                                    batch, heads, heads_k, seqlen_q, seqlen_k, softmax_scale};
-    kg::flash_fwd_sm90<Config>(args, tmap_q, tmap_k, tmap_v);
+    const Mods mods{};
+    kg::flash_fwd_sm90<Config>(args, tmap_q, tmap_k, tmap_v, mods);
 }

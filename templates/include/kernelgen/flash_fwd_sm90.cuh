@@ -24,6 +24,13 @@
 // PERSISTENT: a CTA per SM loops over tiles (TileSchedule); the K/V ring and the barrier phases
 // run on from tile to tile, and empty_q tells the producer when the epilogue (which stages O in
 // the Q tile) is done with Q, so the next tile's K/V loads overlap this tile's epilogue.
+//
+// Mods (a spec's `mods`, the struct mods.inc.j2 renders; NoMods without): exactly the sm80
+// family's. kv_range bounds the KV blocks of a tile ([kv_lo, kv_hi) of its rows, in tile_work,
+// which producer and consumers share, so they agree on every tile's blocks and the ring position);
+// score_mod rewrites each scaled score right after its QK^T (the softmax then runs in log2 units
+// without the scale); mask_mod hides elements, evaluated only in blocks not inside [full_lo,
+// full_hi) of the warpgroup's rows. With everything off the code is the plain kernel's.
 #pragma once
 #include "kernelgen/flash_fwd_sm80.cuh"  // FwdArgs: the argument list both families share
 #include "kernelgen/mbarrier.cuh"
@@ -84,19 +91,36 @@ struct Sm90Barriers {
     __device__ __forceinline__ u32 empty_v(int s) const { return base + 8 * (2 + 3 * C::kStages + s); }
 };
 
-// One tile: BLOCK_M query rows of one (batch, head), and the KV blocks they see.
+// One tile: BLOCK_M query rows of one (batch, head), and the KV blocks they see: n_blocks of
+// them from block n_first on (visited last to first).
 struct TileWork {
-    int head, batch, row0, q_rows, n_blocks;
+    int head, batch, row0, q_rows, n_first, n_blocks;
+    // The first key column of the tile's i-th KV block in visiting order.
+    __device__ __forceinline__ int col0(int i, int block_n) const {
+        return (n_first + n_blocks - 1 - i) * block_n;
+    }
 };
 
-template <class C>
-__device__ __forceinline__ TileWork tile_work(const FwdArgs<typename C::Elem>& a, int m_block,
-                                              int head, int batch) {
+// The one place a tile's KV blocks are decided: the producer's loads, the consumers' steps and
+// the ring positions of later tiles all follow it. Causal is aligned bottom-right (query i sees
+// keys <= i + seqlen_k - seqlen_q); a kv_range narrows that to [kv_lo, kv_hi) of the tile's rows
+// (n_first is a compile-time 0 without one), as in flash_fwd_sm80.cuh.
+template <class C, class Mods>
+__device__ __forceinline__ TileWork tile_work(const FwdArgs<typename C::Elem>& a, const Mods& mods,
+                                              int m_block, int head, int batch) {
     const int row0 = m_block * C::kBlockM;
     const int q_rows = min(a.seqlen_q - row0, C::kBlockM);
     int kv_end = a.seqlen_k;
     if constexpr (C::kCausal) kv_end = min(kv_end, row0 + q_rows + a.seqlen_k - a.seqlen_q);
-    return TileWork{head, batch, row0, q_rows, kv_end > 0 ? cdiv(kv_end, C::kBlockN) : 0};
+    int n_first = 0, n_blocks = kv_end > 0 ? cdiv(kv_end, C::kBlockN) : 0;
+    if constexpr (Mods::kKvRange) {
+        const int q_last = row0 + q_rows - 1;
+        const int lo = max(0, mods.kv_lo(row0, q_last, batch, head, a.seqlen_q, a.seqlen_k));
+        kv_end = min(kv_end, mods.kv_hi(row0, q_last, batch, head, a.seqlen_q, a.seqlen_k));
+        n_first = lo / C::kBlockN;
+        n_blocks = kv_end > lo ? cdiv(kv_end, C::kBlockN) - n_first : 0;
+    }
+    return TileWork{head, batch, row0, q_rows, n_first, n_blocks};
 }
 
 // The tiles one CTA computes, in order. Not persistent: the one tile of its blockIdx (causal: the
@@ -106,17 +130,18 @@ __device__ __forceinline__ TileWork tile_work(const FwdArgs<typename C::Elem>& a
 // tiles of one head are neighbours and share its K and V in L2. The producer and every consumer
 // walk the same list, and the smem rings and barrier phases run on across tiles, so the next
 // tile's loads overlap this tile's epilogue.
-template <class C>
+template <class C, class Mods>
 struct TileSchedule {
+    const Mods& mods;
     int m_blocks, heads, count;
-    __device__ __forceinline__ explicit TileSchedule(const FwdArgs<typename C::Elem>& a)
-        : m_blocks(cdiv(a.seqlen_q, C::kBlockM)), heads(a.heads),
+    __device__ __forceinline__ TileSchedule(const FwdArgs<typename C::Elem>& a, const Mods& m)
+        : mods(m), m_blocks(cdiv(a.seqlen_q, C::kBlockM)), heads(a.heads),
           count(C::kPersistent ? m_blocks * a.heads * a.batch : 1) {}
     __device__ __forceinline__ int first() const { return C::kPersistent ? blockIdx.x : 0; }
     __device__ __forceinline__ int step() const { return C::kPersistent ? gridDim.x : 1; }
     __device__ __forceinline__ TileWork at(const FwdArgs<typename C::Elem>& a, int t) const {
         if constexpr (!C::kPersistent)
-            return tile_work<C>(a, C::kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x,
+            return tile_work<C>(a, mods, C::kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x,
                                 blockIdx.y, blockIdx.z);
         int m_block, hb;
         if constexpr (C::kCausal) {
@@ -127,9 +152,10 @@ struct TileSchedule {
             m_block = t % m_blocks;
             hb = t / m_blocks;
         }
-        return tile_work<C>(a, m_block, hb % heads, hb / heads);
+        return tile_work<C>(a, mods, m_block, hb % heads, hb / heads);
     }
-    // Whether a tile after t in this CTA's list has a KV block to compute.
+    // Whether a tile after t in this CTA's list has a KV block to compute (t = first() - step():
+    // whether any has).
     __device__ __forceinline__ bool more_work(const FwdArgs<typename C::Elem>& a, int t) const {
         for (int u = t + step(); u < count; u += step())
             if (at(a, u).n_blocks > 0) return true;
@@ -151,7 +177,7 @@ __device__ __forceinline__ void sm90_produce(u32 base, Sm90Barriers<C> bar, cons
     for (int i = 0; i < n_blocks; ++i) {
         const int s = (it0 + i) % C::kStages;
         const u32 parity = ((it0 + i) / C::kStages) & 1;
-        const int col0 = (n_blocks - 1 - i) * C::kBlockN;
+        const int col0 = w.col0(i, C::kBlockN);
         mbarrier_wait(bar.empty_k(s), parity ^ 1);
         mbarrier_arrive_expect_tx(bar.full_k(s), C::kTileKV);
         tma_load_5d(base + C::kOffK + s * C::kTileKV, map_k, bar.full_k(s), 0, col0, 0, kv_head,
@@ -196,16 +222,57 @@ __device__ __forceinline__ void issue_pv(float (&acc_o)[C::kHeadDim / 2],
     wgmma_commit();
 }
 
-// Keys past seqlen_k and, for causal, past each row's diagonal (bottom-right aligned: row r sees
-// keys <= r + seqlen_k - seqlen_q) get -inf; only blocks that straddle a boundary pay.
-template <class C>
+// The keys every row of a warpgroup surely sees, [lo, hi) (the spec's full_lo / full_hi of its
+// rows): blocks inside skip the mask_mod. Without a mask_mod or a kv range, nothing is skipped.
+struct FullRange {
+    int lo, hi;
+};
+
+// The warpgroup's rows of the tile (a warpgroup past the tile's end takes its last row; padding
+// rows are never stored).
+template <class C, class Mods>
+__device__ __forceinline__ FullRange full_range(const FwdArgs<typename C::Elem>& a, const Mods& mods,
+                                                const TileWork& w, int wg_row0) {
+    const int q_last = w.row0 + w.q_rows - 1;
+    const int first = min(wg_row0, q_last), last = min(wg_row0 + 63, q_last);
+    return FullRange{mods.full_lo(first, last, w.batch, w.head, a.seqlen_q, a.seqlen_k),
+                     mods.full_hi(first, last, w.batch, w.head, a.seqlen_q, a.seqlen_k)};
+}
+
+// Element (i, e) of this thread's S accumulators: row lane_row + (e / 2) * 8, key
+// col0 + 2 * (lane % 4) + 8 * i + (e & 1) (wgmma.cuh). A score_mod rewrites every scaled score,
+// with the indices clamped into the sequences so that a mod reading per-token tensors stays in
+// bounds on the padding rows and columns (those are masked or never stored).
+template <class C, class Mods>
+__device__ __forceinline__ void modify_scores(float (&acc_s)[C::kBlockN / 2],
+                                              const FwdArgs<typename C::Elem>& a, const Mods& mods,
+                                              const TileWork& w, int col0, int lane_row) {
+    const int lane_col = col0 + 2 * (threadIdx.x % 4);
+    #pragma unroll
+    for (int i = 0; i < C::kBlockN / 8; ++i)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e)
+            acc_s[4 * i + e] = mods.score_mod(
+                acc_s[4 * i + e] * a.softmax_scale, w.batch, w.head,
+                min(lane_row + (e / 2) * 8, a.seqlen_q - 1),
+                min(lane_col + i * 8 + (e & 1), a.seqlen_k - 1), a.seqlen_q, a.seqlen_k);
+}
+
+// Keys past seqlen_k, for causal past each row's diagonal (bottom-right aligned: row r sees keys
+// <= r + seqlen_k - seqlen_q), and those the mask_mod hides get -inf. Only blocks that straddle a
+// boundary pay for the built-in masks, and only blocks outside the full range for the mask_mod.
+template <class C, class Mods>
 __device__ __forceinline__ void mask_scores(float (&acc_s)[C::kBlockN / 2],
-                                            const FwdArgs<typename C::Elem>& a, int col0,
+                                            const FwdArgs<typename C::Elem>& a, const Mods& mods,
+                                            const TileWork& w, FullRange full, int col0,
                                             int wg_row0, int lane_row) {
     bool need_mask = col0 + C::kBlockN > a.seqlen_k;
     if constexpr (C::kCausal)
         need_mask |= col0 + C::kBlockN - 1 > wg_row0 + a.seqlen_k - a.seqlen_q;
-    if (!need_mask) return;
+    bool need_mod_mask = Mods::kMaskMod;
+    if constexpr (Mods::kMaskMod && Mods::kKvRange)
+        need_mod_mask = col0 < full.lo || col0 + C::kBlockN > full.hi;
+    if (!need_mask && !need_mod_mask) return;
     const int lane_col = col0 + 2 * (threadIdx.x % 4);
     const int tail = a.seqlen_k - lane_col;  // element (i, e) is past the end if >= tail
     // col - row - (sk - sq) of element (i, e) is diag + i*8 + (e&1) - (e/2)*8
@@ -216,6 +283,10 @@ __device__ __forceinline__ void mask_scores(float (&acc_s)[C::kBlockN / 2],
         for (int e = 0; e < 4; ++e) {
             bool masked = i * 8 + (e & 1) >= tail;
             if constexpr (C::kCausal) masked |= diag + i * 8 + (e & 1) - (e / 2) * 8 > 0;
+            if constexpr (Mods::kMaskMod)
+                masked |= need_mod_mask && !mods.mask_mod(
+                    w.batch, w.head, min(lane_row + (e / 2) * 8, a.seqlen_q - 1),
+                    min(lane_col + i * 8 + (e & 1), a.seqlen_k - 1), a.seqlen_q, a.seqlen_k);
             if (masked) acc_s[4 * i + e] = neg_inf();
         }
 }
@@ -298,10 +369,11 @@ struct IssueTurns {
 // One consumer warpgroup: query rows 64 * wg .. 64 * wg + 63 of the tile.
 // `it0`: the ring position of the tile's first KV block; `tile`: how many tiles this CTA has
 // done (the parity of full_q); `final`: no later tile of this CTA has work (pingpong's last turn).
-template <class C>
-__device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a, unsigned char* tiles,
-                                             u32 smem_u32, Sm90Barriers<C> bar, IssueTurns<C> turns,
-                                             const TileWork& w, int it0, int tile, bool final) {
+template <class C, class Mods>
+__device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a, const Mods& mods,
+                                             unsigned char* tiles, u32 smem_u32, Sm90Barriers<C> bar,
+                                             IssueTurns<C> turns, const TileWork& w, int it0,
+                                             int tile, bool final) {
     const int wg = turns.wg, row0 = w.row0, q_rows = w.q_rows, n_blocks = w.n_blocks;
     typename C::Elem* o = a.o + w.batch * a.o_stride_b + w.head * a.o_stride_h + row0 * a.o_stride_s;
     float* lse = a.lse + (i64(w.batch) * a.heads + w.head) * a.seqlen_q + row0;
@@ -319,22 +391,27 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     const auto stage_desc = [it0](u64 desc, int i) {
         return desc + (((it0 + i) % C::kStages) * C::kTileKV >> 4);
     };
-    const auto col0 = [n_blocks](int i) { return (n_blocks - 1 - i) * C::kBlockN; };
+    const auto col0 = [&w](int i) { return w.col0(i, C::kBlockN); };
 
     float acc_o[kAccO], acc_s[kAccS], alpha[2];
     u32 p[C::kBlockN / 16][4];
     #pragma unroll
     for (int i = 0; i < kAccO; ++i) acc_o[i] = 0.f;
     float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};
-    const float scale_log2 = a.softmax_scale * kLog2e;
+    // With a score_mod the scale is applied before it (the mod sees scaled scores), and the
+    // softmax then works on the modified scores in log2 units.
+    const float scale_log2 = Mods::kScoreMod ? kLog2e : a.softmax_scale * kLog2e;
     const int wg_row0 = row0 + wg * 64;
     const int lane_row = wg_row0 + warp * 16 + lane / 4;  // this thread's rows: lane_row, +8
+    FullRange full{0, 1 << 30};
+    if constexpr (Mods::kMaskMod && Mods::kKvRange) full = full_range<C>(a, mods, w, wg_row0);
 
     // Wait for S of block i; then its K slot is free.
     const auto finish_qk = [&](int i) {
         fence_operands(acc_s);
         if (lane == 0) mbarrier_arrive(bar.empty_k(stage(i)));
-        mask_scores<C>(acc_s, a, col0(i), wg_row0, lane_row);
+        if constexpr (Mods::kScoreMod) modify_scores<C>(acc_s, a, mods, w, col0(i), lane_row);
+        mask_scores<C>(acc_s, a, mods, w, full, col0(i), wg_row0, lane_row);
     };
     const auto fence_pv_operands = [&] {
         fence_operands(acc_o);
@@ -452,13 +529,13 @@ __device__ __forceinline__ void write_empty_tile(const FwdArgs<typename C::Elem>
     for (int i = thread; i < w.q_rows; i += threads) lse[i] = neg_inf();
 }
 
-template <class C>
+template <class C, class Mods = NoMods>
 __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& a,
                                                const TensorMap& map_q, const TensorMap& map_k,
-                                               const TensorMap& map_v) {
+                                               const TensorMap& map_v, const Mods& mods = Mods{}) {
     extern __shared__ __align__(1024) unsigned char smem[];
 
-    const TileSchedule<C> tiles_of_cta(a);
+    const TileSchedule<C, Mods> tiles_of_cta(a, mods);
     const int group = a.heads / a.heads_k;
     if constexpr (!C::kPersistent) {
         const TileWork w = tiles_of_cta.at(a, 0);
@@ -505,14 +582,20 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
     }
     setmaxnreg_inc<C::kConsumerRegs>();
     const IssueTurns<C> turns{int(threadIdx.x / 128) - 1};
-    turns.start();
+    // Pingpong's first turn, only in a CTA with a tile to compute: persistent, every tile of a
+    // CTA may be empty (causal or a kv range), and an arrival no one waits for would stay on the
+    // barrier past the CTA's exit.
+    if constexpr (C::kPingpong)
+        if (!C::kPersistent || tiles_of_cta.more_work(a, tiles_of_cta.first() - tiles_of_cta.step()))
+            turns.start();
     for (int t = tiles_of_cta.first(); t < tiles_of_cta.count; t += tiles_of_cta.step()) {
         const TileWork w = tiles_of_cta.at(a, t);
         if (w.n_blocks == 0) {   // persistent only: the other case returned above
             write_empty_tile<C>(a, w, threadIdx.x - 128, C::kThreads - 128);
             continue;
         }
-        sm90_consume<C>(a, tiles, base, bar, turns, w, it, done, !tiles_of_cta.more_work(a, t));
+        sm90_consume<C>(a, mods, tiles, base, bar, turns, w, it, done,
+                        !tiles_of_cta.more_work(a, t));
         it += w.n_blocks;
         ++done;
     }

@@ -1,0 +1,134 @@
+"""The Hopper forward with each shipped modifier on the CPU emulator (tests/emulator): softcap,
+sliding window, ALiBi, document masks and the tutorial's prefix LM, each spec put onto
+flash_attn_fwd_sm90 (load_spec(..., onto=...), as kernelgen.mods_sm90 does) and run with its mod
+arguments after the tensor maps. Compared with the float32 reference applying the same score_mod /
+mask_mod by FlashAttention's rule (test_sm90_emulated.check). Small KV tiles, so that a few hundred
+keys give many blocks: the kv range's skipped blocks, its blocks without per-element masking and
+tiles with no block at all (rows that see no key) all occur, in both tile modes (persistent 0/1:
+the ring position then runs on across tiles whose block counts the kv range decides)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_sm90_emulated import check, emulate, make
+
+from kernelgen.spec import REPO_ROOT, load_spec
+
+pytestmark = pytest.mark.skipif(not emulate.available(), reason="the emulator needs g++")
+
+BASE = "flash_attn_fwd_sm90"
+PREFIX_LM = str(REPO_ROOT / "examples" / "prefix_lm.yaml")
+
+
+def onto(name):
+    return load_spec(name, onto=BASE)
+
+
+def config(block_m=128, block_n=64, schedule=2, persistent=0, stages=2):
+    return {"block_m": block_m, "block_n": block_n, "stages": stages, "schedule": schedule,
+            "persistent": persistent}
+
+
+def qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype=torch.bfloat16, scale=1.0):
+    torch.manual_seed(seqlen_q * 7 + seqlen_k + head_dim)
+    return (make(batch, seqlen_q, heads, head_dim, dtype) * scale,
+            make(batch, seqlen_k, heads_k, head_dim, dtype) * scale,
+            make(batch, seqlen_k, heads_k, head_dim, dtype))
+
+
+@pytest.mark.parametrize("head_dim, dtype, causal, shape, cfg", [
+    (128, torch.bfloat16, True, (1, 200, 333, 4, 2), config(persistent=0)),
+    (64, torch.float16, False, (2, 250, 200, 2, 1), config(192, 96, persistent=1)),  # 3 consumers
+    (96, torch.bfloat16, False, (1, 130, 300, 2, 2), config(128, 128, schedule=0, persistent=1)),
+], ids=["hd128-causal-gqa", "hd64-fp16-3wg-persistent", "hd96-plain-schedule-persistent"])
+def test_softcap(head_dim, dtype, causal, shape, cfg):
+    batch, seqlen_q, seqlen_k, heads, heads_k = shape
+    q, k, v = qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, scale=3.0)
+    cap = 2.0  # scores of q, k ~ N(0, 9) are far into the cap
+    check(q, k, v, causal, config=cfg, seed=seqlen_k, lazy=causal, spec=onto("flash_attn_softcap"),
+          mod_args={"softcap": cap}, score_mod=lambda s, *_: cap * torch.tanh(s / cap))
+
+
+def window_mask(left, right, seqlen_q, seqlen_k):
+    shift = seqlen_k - seqlen_q
+
+    def visible(b, h, i, j):
+        return ((j >= i + shift - left) | (left < 0)) & ((j <= i + shift + right) | (right < 0))
+    return visible
+
+
+@pytest.mark.parametrize("window, causal, shape, cfg, empty_rows", [
+    # Many blocks left of the window and right of it are skipped, the middle ones unmasked.
+    ((40, 30), False, (2, 150, 400, 2, 1), config(persistent=1), False),
+    ((70, 0), True, (1, 300, 430, 2, 2), config(persistent=0), False),
+    # seqlen_q > seqlen_k: rows below the shifted diagonal see no key; whole tiles have no block.
+    ((0, 0), False, (1, 300, 130, 2, 2), config(persistent=1), True),
+    ((5, 3), True, (1, 260, 100, 1, 1), config(schedule=1, persistent=0), True),
+    ((-1, 16), False, (1, 140, 270, 2, 1), config(128, 64, schedule=0, persistent=1), False),
+], ids=["40-30-persistent", "70-0-causal", "0-0-empty-persistent", "5-3-causal-empty",
+        "left-unbounded-schedule0"])
+def test_sliding_window(window, causal, shape, cfg, empty_rows):
+    batch, seqlen_q, seqlen_k, heads, heads_k = shape
+    left, right = window
+    head_dim = 96 if left < 0 else 64   # 96: 64B swizzle
+    q, k, v = qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim)
+    lse = check(q, k, v, causal, config=cfg, seed=left + right, lazy=not causal,
+                spec=onto("flash_attn_window"),
+                mod_args={"window_left": left, "window_right": right},
+                mask_mod=window_mask(left, right, seqlen_q, seqlen_k))
+    assert bool((~torch.isfinite(lse)).any()) == empty_rows
+
+
+@pytest.mark.parametrize("per_batch, causal, cfg", [
+    (False, True, config(persistent=1)),
+    (True, False, config(192, 96, persistent=0)),
+    (True, True, config(128, 128, schedule=1, persistent=1, stages=3)),
+], ids=["per-head-causal-persistent", "per-batch-3wg", "per-batch-causal-overlap-persistent"])
+def test_alibi(per_batch, causal, cfg):
+    batch, seqlen_q, seqlen_k, heads, heads_k = 2, 170, 290, 4, 2
+    q, k, v = qkv(batch, seqlen_q, seqlen_k, heads, heads_k, 64, torch.float16)
+    slopes = torch.rand((batch, heads) if per_batch else (heads,)) * 0.5
+    s4 = slopes.view(batch if per_batch else 1, heads, 1, 1)
+    shift = seqlen_k - seqlen_q
+    check(q, k, v, causal, config=cfg, seed=heads, lazy=per_batch, spec=onto("flash_attn_alibi"),
+          mod_args={"alibi_slopes": slopes, "alibi_stride_b": heads if per_batch else 0},
+          score_mod=lambda s, b, h, i, j: s - s4 * (i + shift - j).abs().float())
+
+
+def documents(batch, seqlen, cuts_per_row, first_id=0):
+    """(batch, seqlen) int32 document ids: runs of equal ids, cut at random points."""
+    ids = torch.zeros(batch, seqlen, dtype=torch.int32)
+    for row in ids:
+        cuts = torch.sort(torch.randperm(seqlen - 1)[:cuts_per_row] + 1).values.tolist()
+        for n, (a, b) in enumerate(zip([0, *cuts], [*cuts, seqlen])):
+            row[a:b] = first_id + n
+    return ids
+
+
+@pytest.mark.parametrize("causal, cfg", [
+    (False, config(persistent=1)),
+    (True, config(128, 64, schedule=1, persistent=0)),
+], ids=["full-persistent", "causal-overlap"])
+def test_document_mask(causal, cfg):
+    batch, seqlen_q, seqlen_k, heads = 2, 230, 310, 2
+    q, k, v = qkv(batch, seqlen_q, seqlen_k, heads, heads, 128)
+    torch.manual_seed(11)
+    doc_q, doc_k = documents(batch, seqlen_q, 3), documents(batch, seqlen_k, 4)
+    doc_q[1, 200:] = 99   # a document with no keys: those rows see nothing
+    same = (doc_q[:, :, None] == doc_k[:, None, :])[:, None]   # (batch, 1, seqlen_q, seqlen_k)
+    lse = check(q, k, v, causal, config=cfg, seed=3, lazy=causal,
+                spec=onto("flash_attn_document"), mod_args={"doc_q": doc_q, "doc_k": doc_k},
+                mask_mod=lambda *_: same)
+    assert torch.all(lse[1, :, 200:] == float("-inf"))
+
+
+@pytest.mark.parametrize("prefix, cfg", [
+    (0, config(persistent=0)),
+    (37, config(persistent=1)),
+    (150, config(192, 96, persistent=1)),
+    (1000, config(schedule=0, persistent=0)),
+], ids=["prefix0", "prefix37-persistent", "prefix150-3wg-persistent", "prefix-past-end"])
+def test_tutorial_prefix_lm(prefix, cfg):
+    q, k, v = qkv(2, 333, 333, 2, 1, 64)
+    check(q, k, v, False, config=cfg, seed=prefix, lazy=prefix % 2 == 1, spec=onto(PREFIX_LM),
+          mod_args={"prefix_len": prefix}, mask_mod=lambda b, h, i, j: (j <= i) | (j < prefix))
