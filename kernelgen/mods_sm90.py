@@ -1,0 +1,123 @@
+"""The Hopper forward (flash_attn_fwd_sm90) with a spec's mods: the launch AttentionKernel makes on
+compute capability 9.0.
+
+A mods spec extends flash_attn_fwd; `load_spec(spec, onto="flash_attn_fwd_sm90")` puts the same
+mods onto the Hopper kernel (its args, tune space, defaults and template; the mod args come after
+the three tensor maps). This module plans and launches that kernel like ops does for the plain
+forward: the config from tune.lookup (tuning DB, else the Hopper spec's defaults: shipped tuned
+defaults are for the plain spec only), the tensor-map layouts and the grid (persistent configs
+need the SM count) kept per call signature, the map addresses patched in per call.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from kernelgen import api, hopper, ops, tma, tune
+from kernelgen.spec import KernelSpec, load_spec
+
+BASE = hopper.SPEC  # "flash_attn_fwd_sm90"
+
+
+def sm90_spec(spec: str | KernelSpec) -> KernelSpec:
+    """The mods spec (a shipped name, a YAML path, or its KernelSpec) put onto the Hopper forward,
+    named `<spec>__flash_attn_fwd_sm90`."""
+    return load_spec(spec.path if isinstance(spec, KernelSpec) else spec, onto=BASE)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    kernel: api.BoundKernel
+    grid: tuple
+    maps: tuple  # the Q, K, V map layouts (tma.TiledMap), or all-zero bytes when K/V are empty
+
+
+_PLANS: dict[tuple, _Plan] = {}
+_MAX_PLANS = 4096
+
+
+def forward_sm90(spec: str | KernelSpec, q, k, v, params: Mapping, softmax_scale: float,
+                 mod_values: tuple, config: Mapping | None = None):
+    """Attention with `spec`'s mods on the Hopper kernels; returns (out, lse) like
+    `flash_attn_func(..., return_lse=True)` without autograd.
+
+    spec: a spec that extends flash_attn_fwd (an AttentionKernel's `spec`: a KernelSpec, a shipped
+      name or a YAML path); its mods run on flash_attn_fwd_sm90.
+    q (batch, seqlen_q, heads, head_dim), k, v (batch, seqlen_k, heads_k, head_dim): validated as
+      AttentionKernel does (ops._check_inputs) on one sm_90 device; misaligned views are copied.
+    params: the variant's compile-time params (AttentionKernel.params: head_dim, dtype, causal
+      and any the spec adds); they must name a variant of the Hopper spec.
+    softmax_scale: the scale itself (ops._scale resolves None).
+    mod_values: the values of `spec.mods.args` in order, as AttentionKernel._mod_values makes them
+      (a data pointer for a `ptr`, a float for `f32`, an int otherwise); a tensor is taken for a
+      `ptr` too.
+    config: the Hopper spec's tune keys (block_m, block_n, stages, schedule, persistent) instead
+      of tune.lookup's answer.
+    Rows that see no key give 0 and LSE -inf."""
+    q, k, v = ops._aligned(q), ops._aligned(k), ops._aligned(v)
+    onto = sm90_spec(spec)
+    mod_args = onto.mods.args
+    if len(mod_values) != len(mod_args):
+        raise TypeError(f"{onto.name}: {len(mod_values)} mod values for the mod arguments "
+                        f"{[a.name for a in mod_args]}")
+    values = tuple(_value(onto, arg, x, q.device) for arg, x in zip(mod_args, mod_values))
+    scalars = tuple((a.name, x) for a, x in zip(mod_args, values) if a.type != "ptr")
+    signature = (onto.content_hash, tuple(sorted(params.items())), q.shape, k.shape, v.shape,
+                 q.stride(), k.stride(), v.stride(), q.dtype, q.device,
+                 None if config is None else tuple(sorted(config.items())), scalars)
+    plan = _PLANS.get(signature)
+    if plan is None:
+        plan = _plan(onto, q, k, v, params, config, dict(scalars))
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[signature] = plan
+    return _launch(plan, q, k, v, softmax_scale, values)
+
+
+def _value(onto: KernelSpec, arg, value, device):
+    if not isinstance(value, torch.Tensor):
+        return value
+    if arg.type != "ptr" or value.device != device or not value.is_contiguous():
+        raise ValueError(f"{onto.name}: a tensor for {arg.name} ({arg.type}) must be a contiguous "
+                         f"tensor on {device} for a ptr argument")
+    return value.data_ptr()
+
+
+def _plan(onto: KernelSpec, q, k, v, params: Mapping, config: Mapping | None,
+          scalars: dict) -> _Plan:
+    batch, seqlen_q, heads, _ = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    device = q.device.index
+    ops.forward_family(device, "sm90")  # a clear error off compute capability 9.0
+    variant = onto.variant(arch=ops._SM90_ARCH, **params)
+    if config is not None:
+        chosen = onto.parse_config(dict(config))
+    else:
+        chosen = tune.lookup(onto, variant, tune.Problem(batch, heads, heads_k, seqlen_q, seqlen_k),
+                             device)
+    kernel = api.load(onto, arch=variant.arch, config=chosen.as_dict(), **variant.as_dict())
+    if not kernel.kernel.loaded_on(device):
+        api.refuse_during_capture(f"load {kernel.source.name} on device {device}")
+    grid = kernel.grid({"seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "heads": heads,
+                        "heads_k": heads_k, "batch": batch, "sm_count": api.sm_count(device),
+                        **scalars})
+    return _Plan(kernel, grid, hopper.tensor_maps(kernel, q, k, v))
+
+
+def _launch(plan: _Plan, q, k, v, softmax_scale: float, mod_values: tuple):
+    batch, seqlen_q, heads, _ = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    maps = tuple(m if isinstance(m, bytes) else tma.encode(m, t.data_ptr())
+                 for m, t in zip(plan.maps, (q, k, v)))
+    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+            batch, heads, k.shape[2], seqlen_q, k.shape[1], float(softmax_scale),
+            *maps, *mod_values)
+    device = q.device.index
+    plan.kernel.launch(args, plan.grid, device, api._current_stream(device))
+    return out, lse

@@ -1,0 +1,96 @@
+"""GPU numerics of the modifier specs on the Hopper forward (kernelgen.mods_sm90.forward_sm90):
+softcap, sliding window, ALiBi, document masks and the tutorial's prefix LM against the float32
+reference applying the same modification, with the tuned-or-default config and with persistent
+ones. Needs compute capability 9.0 (H100/H200):
+    python -m pytest -q -m gpu tests/test_mods_sm90_gpu.py"""
+import pytest
+import torch
+from test_mods_gpu import SHAPES, check, rand   # the sm80 family's checks, same reference rule
+from test_mods_sm90_emulated import documents
+
+from kernelgen.mods_sm90 import forward_sm90
+from kernelgen.spec import REPO_ROOT
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available()
+                                 or torch.cuda.get_device_capability() != (9, 0),
+                                 reason="needs an sm_90 GPU (H100/H200)")]
+
+PERSISTENT = {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 1}
+
+
+def run(spec, q, k, v, causal, values, config=None):
+    """forward_sm90 as AttentionKernel calls it: the variant's params, the scale, the mod values."""
+    params = {"head_dim": q.shape[-1], "dtype": "bf16" if q.dtype == torch.bfloat16 else "fp16",
+              "causal": causal}
+    return forward_sm90(spec, q, k, v, params, q.shape[-1] ** -0.5, values, config=config)
+
+
+@pytest.mark.parametrize("config", [None, PERSISTENT], ids=["default", "persistent"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_softcap(head_dim, causal, config):
+    torch.manual_seed(head_dim)
+    if config is not None and head_dim == 256:
+        config = {**config, "block_n": 64, "schedule": 1}   # fits head_dim 256's registers
+    for b, sq, sk, h, hk in SHAPES:
+        q, k = rand(b, sq, h, head_dim, scale=3), rand(b, sk, hk, head_dim, scale=3)
+        v = rand(b, sk, hk, head_dim)
+        got = run("flash_attn_softcap", q, k, v, causal, (5.0,), config)
+        check(got, q, k, v, causal, score_mod=lambda s, *_: 5.0 * torch.tanh(s / 5.0))
+
+
+@pytest.mark.parametrize("config", [None, PERSISTENT], ids=["default", "persistent"])
+@pytest.mark.parametrize("window", [(16, 0), (64, 64), (-1, 32), (100, -1), (0, 0)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sliding_window(window, causal, config):
+    left, right = window
+    torch.manual_seed(left + 7 * right)
+    for b, sq, sk, h, hk in SHAPES:
+        q, k, v = rand(b, sq, h, 128), rand(b, sk, hk, 128), rand(b, sk, hk, 128)
+
+        def visible(bb, hh, i, j, shift=sk - sq):
+            return ((j >= i + shift - left) | (left < 0)) & ((j <= i + shift + right) | (right < 0))
+
+        got = run("flash_attn_window", q, k, v, causal, (left, right), config)
+        check(got, q, k, v, causal, mask_mod=visible)
+
+
+@pytest.mark.parametrize("config", [None, PERSISTENT], ids=["default", "persistent"])
+@pytest.mark.parametrize("per_batch", [False, True])
+def test_alibi(per_batch, config):
+    torch.manual_seed(per_batch)
+    for b, sq, sk, h, hk in SHAPES:
+        q = rand(b, sq, h, 64, dtype=torch.float16)
+        k, v = rand(b, sk, hk, 64, dtype=torch.float16), rand(b, sk, hk, 64, dtype=torch.float16)
+        slopes = torch.rand((b, h) if per_batch else (h,), device="cuda") * 0.5
+        s4 = slopes.view(b if per_batch else 1, h, 1, 1)
+        for causal in (False, True):
+            got = run("flash_attn_alibi", q, k, v, causal,
+                      (slopes.data_ptr(), h if per_batch else 0), config)
+            check(got, q, k, v, causal,
+                  score_mod=lambda s, bb, hh, i, j: s - s4 * (i + sk - sq - j).abs().float())
+
+
+@pytest.mark.parametrize("config", [None, PERSISTENT], ids=["default", "persistent"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_document_mask(causal, config):
+    torch.manual_seed(3)
+    batch, seqlen_q, seqlen_k, heads = 2, 700, 530, 4
+    doc_q, doc_k = documents(batch, seqlen_q, 5).cuda(), documents(batch, seqlen_k, 4).cuda()
+    doc_q[1, 600:] = 99   # a document with no keys: those rows see nothing
+    q = rand(batch, seqlen_q, heads, 64)
+    k, v = rand(batch, seqlen_k, heads, 64), rand(batch, seqlen_k, heads, 64)
+    got = run("flash_attn_document", q, k, v, causal, (doc_q.data_ptr(), doc_k.data_ptr()), config)
+    same = (doc_q[:, :, None] == doc_k[:, None, :])[:, None]  # (batch, 1, seqlen_q, seqlen_k)
+    check(got, q, k, v, causal, mask_mod=lambda *_: same)
+
+
+@pytest.mark.parametrize("config", [None, PERSISTENT], ids=["default", "persistent"])
+def test_tutorial_prefix_lm(config):
+    spec = str(REPO_ROOT / "examples" / "prefix_lm.yaml")
+    torch.manual_seed(5)
+    for prefix in (0, 37, 300, 1000):
+        q, k, v = (rand(2, 333, 4, 64) for _ in range(3))
+        got = run(spec, q, k, v, False, (prefix,), config)
+        check(got, q, k, v, mask_mod=lambda bb, hh, i, j: (j <= i) | (j < prefix))
