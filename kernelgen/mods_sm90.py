@@ -44,7 +44,8 @@ def forward_sm90(spec: str | KernelSpec, q, k, v, params: Mapping, softmax_scale
     `flash_attn_func(..., return_lse=True)` without autograd.
 
     spec: a spec that extends flash_attn_fwd (an AttentionKernel's `spec`: a KernelSpec, a shipped
-      name or a YAML path); its mods run on flash_attn_fwd_sm90.
+      name or a YAML path); its mods run on flash_attn_fwd_sm90. flash_attn_fwd itself is not
+      one (SpecError): the plain forward is ops.flash_attn_forward(..., family="sm90").
     q (batch, seqlen_q, heads, head_dim), k, v (batch, seqlen_k, heads_k, head_dim): validated as
       AttentionKernel does (ops._check_inputs) on one sm_90 device; misaligned views are copied.
     params: the variant's compile-time params (AttentionKernel.params: head_dim, dtype, causal
