@@ -17,6 +17,10 @@ for step in $STEPS; do
                tests/test_mods_gpu.py | tee "$OUT/fwd.log" | tail -30 ;;
     fwd80)   KERNELGEN_FORWARD=sm80 gpu_tests tests/test_attention.py tests/test_library.py \
                | tee "$OUT/fwd80.log" | tail -30 ;;
+    mods)    gpu_tests tests/test_mods_gpu.py tests/test_mods_sm90_gpu.py tests/test_mods_bwd_gpu.py \
+               tests/test_sm90_gpu.py tests/test_library.py | tee "$OUT/mods.log" | tail -30 ;;
+    benchmods) timeout $T python3 -m kernelgen.cli bench --mods --out "$OUT" ${MODS_ARGS} 2>&1 \
+               | tee "$OUT/benchmods.log" ;;
     bwd)     gpu_tests tests/test_backward.py tests/test_backward_tune.py tests/test_backward_compile.py | tee "$OUT/bwd.log" | tail -30 ;;
     tune)    gpu_tests tests/test_tune_gpu.py | tee "$OUT/tune.log" | tail -30 ;;
     sm90)    gpu_tests tests/test_sm90_gpu.py | tee "$OUT/sm90.log" | tail -30 ;;
