@@ -9,6 +9,10 @@ With deterministic=True, step 2 runs without atomics and flash_attn_bwd_dq compu
 tile (recomputing P and dP), so that the gradients are bitwise identical from run to run.
 The main kernel's config comes from the tuner (tune.lookup per problem: `kernelgen tune
 flash_attn_bwd ...` measures it, measure_bwd.py is its workload); prep and dQ take their defaults.
+
+With `mods` (ModArgs: a spec with mods, as kernelgen.load runs it) the main and dQ kernels are
+that spec put onto flash_attn_bwd and flash_attn_bwd_dq (load_spec(onto=)), its mod arguments
+appended to theirs; a score_mod without a score_mod_grad has no backward (NotImplementedError).
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kernelgen import api, ops, tune
-from kernelgen.spec import load_spec
+from kernelgen.spec import KernelSpec, load_spec
 
 PREP_SPEC, MAIN_SPEC, DQ_SPEC = "flash_attn_bwd_prep", "flash_attn_bwd", "flash_attn_bwd_dq"
 
@@ -29,6 +33,32 @@ class _Kernels:
     dq: api.BoundKernel | None  # the deterministic path only
 
 
+@dataclass(frozen=True)
+class ModArgs:
+    """The mods of a spec that extends flash_attn_fwd, for its backward: the spec, the params of
+    the variant that ran the forward, and the mod arguments' values in the order of
+    spec.mods.args (tensors, or numbers for scalars)."""
+    spec: KernelSpec
+    params: tuple[tuple[str, object], ...]
+    values: tuple
+
+
+def check_differentiable(spec: KernelSpec) -> None:
+    """A score_mod needs its derivative for the backward; masks need none."""
+    if spec.mods.score_mod is not None and spec.mods.score_mod_grad is None:
+        raise NotImplementedError(
+            f"{spec.name} ({spec.path}) is forward-only: its mods.score_mod has no "
+            "mods.score_mod_grad (d score_mod / d score), so there is no gradient; add one to "
+            "the spec, or call it under torch.no_grad() or on tensors that do not require grad")
+
+
+def _backward_spec(name: str, mods: ModArgs | None) -> KernelSpec:
+    if mods is None:
+        return load_spec(name)
+    check_differentiable(mods.spec)
+    return load_spec(mods.spec.path, onto=name)
+
+
 # Per (variant, device, deterministic, problem): a repeated call is one dict lookup, as ops' plans.
 # Like those, an entry keeps the config it was made with when a later tune() in this process
 # finds a better one; tune.clear_memo() and a new process see it.
@@ -36,32 +66,38 @@ _KERNELS: dict[tuple, _Kernels] = {}
 _MAX_KERNELS = 4096
 
 
-def _load(name: str, device: int, config=None, **params) -> api.BoundKernel:
-    spec = load_spec(name)
+def _load(spec: KernelSpec | str, device: int, config=None, **params) -> api.BoundKernel:
+    spec = load_spec(spec) if isinstance(spec, str) else spec
     return api.load(spec, arch=api.pick_arch(spec, device), config=config, **params)
 
 
-def _main_config(device: int, problem: tune.Problem, **params):
+def _main_config(device: int, problem: tune.Problem, spec: KernelSpec | None = None, **params):
     """The main kernel's config: the tuner's lookup (memo, tuning DB, shipped tuned defaults, then
     the spec's heuristic). The deterministic path takes the same one, tuned with dQ atomics: its
     main kernel does that work minus the dQ product."""
-    spec = load_spec(MAIN_SPEC)
+    spec = load_spec(MAIN_SPEC) if spec is None else spec
     variant = spec.variant(arch=api.pick_arch(spec, device), **params)
     return tune.lookup(spec, variant, problem, device).as_dict()
 
 
 def _kernels(head_dim: int, dtype: str, causal: bool, device: int, deterministic: bool,
-             sizes: tuple[int, int, int, int, int]) -> _Kernels:
+             sizes: tuple[int, int, int, int, int], mods: ModArgs | None = None) -> _Kernels:
     """sizes: (batch, heads, heads_k, seqlen_q, seqlen_k), a tune.Problem's fields; a plain tuple
-    so that a hit builds no dataclass."""
+    so that a hit builds no dataclass. With mods, its params (those of the forward's variant)
+    choose the main and dQ variants."""
     key = (head_dim, dtype, causal, device, deterministic, sizes)
+    if mods is not None:
+        key += (mods.spec.path, mods.spec.content_hash, mods.params)
     kernels = _KERNELS.get(key)
     if kernels is None:
         variant = dict(head_dim=head_dim, dtype=dtype, causal=causal)
+        if mods is not None:
+            variant = dict(mods.params)
+        main, dq = _backward_spec(MAIN_SPEC, mods), _backward_spec(DQ_SPEC, mods)
         problem = tune.Problem(*sizes)
         kernels = _Kernels(_load(PREP_SPEC, device, dtype=dtype),
-                           _load(MAIN_SPEC, device, _main_config(device, problem, **variant), **variant),
-                           _load(DQ_SPEC, device, **variant) if deterministic else None)
+                           _load(main, device, _main_config(device, problem, main, **variant), **variant),
+                           _load(dq, device, **variant) if deterministic else None)
         if len(_KERNELS) >= _MAX_KERNELS:
             _KERNELS.clear()
         _KERNELS[key] = kernels
@@ -107,10 +143,13 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 def flash_attn_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float,
-                        deterministic: bool = False):
+                        deterministic: bool = False, mods: ModArgs | None = None):
     """Gradients of flash_attn_func's `out` with respect to q, k and v: (dq, dk, dv), dq like q,
     dk and dv like k and v (contiguous, input dtype). `out` and `lse` are the forward's outputs;
-    dout must match out (any strides: a last dim that is not contiguous is copied)."""
+    dout must match out (any strides: a last dim that is not contiguous is copied). `mods`: the
+    forward was that spec's kernel (kernelgen.load); its mod arguments get no gradient."""
+    if mods is not None:
+        check_differentiable(mods.spec)
     _check_dout(dout, out)
     _check_saved(q, k, v, out, lse)
     if dout.shape[-1] > 1 and dout.stride(-1) != 1:
@@ -119,8 +158,9 @@ def flash_attn_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: fl
     device = q.device.index
     batch, seqlen_q, heads, head_dim = q.shape
     kernels = _kernels(head_dim, ops._DTYPES[q.dtype], bool(causal), device, bool(deterministic),
-                       (batch, heads, k.shape[2], seqlen_q, k.shape[1]))
-    return _run(kernels, _launcher(device), dout, q, k, v, out, lse.contiguous(), float(softmax_scale))
+                       (batch, heads, k.shape[2], seqlen_q, k.shape[1]), mods)
+    return _run(kernels, _launcher(device), dout, q, k, v, out, lse.contiguous(), float(softmax_scale),
+                mod_args=() if mods is None else mods.values)
 
 
 def _launcher(device: int):
@@ -157,9 +197,10 @@ def _buffers(q, k, deterministic: bool) -> _Buffers:
 
 
 def _run(kernels: _Kernels, launch, dout, q, k, v, out, lse, scale: float,
-         buffers: _Buffers | None = None):
-    """The launches, with tensors (None for a null pointer) in each kernel's argument order;
-    returns (dq, dk, dv), the tensors of `buffers` when given."""
+         buffers: _Buffers | None = None, mod_args: tuple = ()):
+    """The launches, with tensors (None for a null pointer) in each kernel's argument order, the
+    main and dQ kernels' ending with `mod_args` (a spec's mods); returns (dq, dk, dv), the
+    tensors of `buffers` when given."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     sizes = {"batch": batch, "heads": heads, "heads_k": heads_k, "seqlen_q": seqlen_q,
@@ -170,11 +211,12 @@ def _run(kernels: _Kernels, launch, dout, q, k, v, out, lse, scale: float,
     launch(kernels.main, (q, k, v, dout, lse, b.dsum, b.dq_accum, b.dk, b.dv,
                           *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
                           *_strides(b.dk), *_strides(b.dv),
-                          batch, heads, heads_k, seqlen_q, seqlen_k, scale), sizes)
+                          batch, heads, heads_k, seqlen_q, seqlen_k, scale, *mod_args), sizes)
     if b.dq_accum is not None:  # already scaled by the kernel
         b.dq.copy_(b.dq_accum)
     else:
         launch(kernels.dq, (q, k, v, dout, lse, b.dsum, b.dq,
                             *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
-                            *_strides(b.dq), batch, heads, heads_k, seqlen_q, seqlen_k, scale), sizes)
+                            *_strides(b.dq), batch, heads, heads_k, seqlen_q, seqlen_k, scale,
+                            *mod_args), sizes)
     return b.dq, b.dk, b.dv

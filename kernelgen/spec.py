@@ -472,7 +472,8 @@ def _extended(text: bytes, path: Path, at: _At, seen: tuple[Path, ...] = (),
     one level deep (the child adds or redefines entries: `tune: {defaults: [...]}` keeps the
     base's space and constraints). The base's template is kept unless the child names one.
     `onto`: extend that spec instead of the one named (see load_spec), without the child's
-    `tune` (written for the other base's space), under the name `<child>__<onto>`."""
+    `tune` (written for the other base's space), under the name `<child>__<onto>`; the child's
+    `onto: {<base name>: {tune: ...}}` section for that base, if any, gives the tune instead."""
     try:
         doc = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError:
@@ -483,9 +484,13 @@ def _extended(text: bytes, path: Path, at: _At, seen: tuple[Path, ...] = (),
                            "a spec with `extends:`")
         return _read_yaml(text, at), text
     base_name = doc.pop("extends")
+    sections = _mapping(doc.pop("onto", {}), at["onto"])
+    for base_key, section in sections.items():
+        _keys(section, at["onto"][base_key], (), ("tune",))
     if onto is not None:
         base_name = onto
         doc.pop("tune", None)
+        doc.update(sections.get(Path(onto).stem, {}))
         doc["name"] = f"{doc.get('name')}__{Path(onto).stem}"
     if not isinstance(base_name, str):
         raise at["extends"].error(f"expected a spec name or path, got {_kind(base_name)}")

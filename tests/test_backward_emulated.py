@@ -28,19 +28,24 @@ NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 class Emulated:
     """Stands in for an api.BoundKernel: what the emulator needs to run one variant and config."""
 
-    def __init__(self, name: str, arch: str, config=None, **params):
-        self.spec = load_spec(name)
+    def __init__(self, name, arch: str, config=None, **params):
+        self.spec = load_spec(name) if isinstance(name, str) else name
         self.variant = self.spec.variant(arch, **params)
         self.config = (self.spec.default_config(self.variant) if config is None
                        else self.spec.parse_config(config))
         assert not self.spec.violations(self.variant, self.config)
 
 
-def emulated_kernels(head_dim, dtype, causal, deterministic, arch, config=None):
+def emulated_kernels(head_dim, dtype, causal, deterministic, arch, config=None, mods=None,
+                     dq_config=None):
+    """mods: a spec with mods (a name or path): its mods put onto the main and dQ specs."""
     variant = dict(head_dim=head_dim, dtype=NAMES[dtype], causal=causal)
+    main, dq = backward.MAIN_SPEC, backward.DQ_SPEC
+    if mods is not None:
+        main, dq = load_spec(mods, onto=main), load_spec(mods, onto=dq)
     return backward._Kernels(Emulated(backward.PREP_SPEC, arch, dtype=NAMES[dtype]),
-                             Emulated(backward.MAIN_SPEC, arch, config, **variant),
-                             Emulated(backward.DQ_SPEC, arch, **variant) if deterministic else None)
+                             Emulated(main, arch, config, **variant),
+                             Emulated(dq, arch, dq_config, **variant) if deterministic else None)
 
 
 def launch(kernel, args, sizes):
@@ -48,20 +53,25 @@ def launch(kernel, args, sizes):
                 dict(zip((a.name for a in kernel.spec.args), args)))
 
 
-def grads(q, k, v, dout, causal, scale, upcast):
+def grads(q, k, v, dout, causal, scale, upcast, score_mod=None, mask_mod=None):
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    out, _ = attention_ref(*leaves, causal, scale, upcast=upcast)
+    out, _ = attention_ref(*leaves, causal, scale, upcast=upcast, score_mod=score_mod,
+                           mask_mod=mask_mod)
     return torch.autograd.grad(out, leaves, dout)
 
 
-def check(q, k, v, dout, causal, arch, config=None, deterministic=False):
+def check(q, k, v, dout, causal, arch, config=None, deterministic=False, *, mods=None,
+          mod_args=(), score_mod=None, mask_mod=None, dq_config=None):
+    """mods: a spec with mods (test_mods_bwd_emulated.py), run with `mod_args` (kernel order);
+    score_mod / mask_mod: the same modification for the reference."""
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim)
-    out, lse = attention_ref(q, k, v, causal, scale)
-    kernels = emulated_kernels(head_dim, q.dtype, causal, deterministic, arch, config)
-    got = backward._run(kernels, launch, dout, q, k, v, out, lse, scale)
-    refs = grads(q, k, v, dout, causal, scale, upcast=True)
-    pts = grads(q, k, v, dout, causal, scale, upcast=False)
+    out, lse = attention_ref(q, k, v, causal, scale, score_mod=score_mod, mask_mod=mask_mod)
+    kernels = emulated_kernels(head_dim, q.dtype, causal, deterministic, arch, config, mods,
+                               dq_config)
+    got = backward._run(kernels, launch, dout, q, k, v, out, lse, scale, mod_args=mod_args)
+    refs = grads(q, k, v, dout, causal, scale, True, score_mod, mask_mod)
+    pts = grads(q, k, v, dout, causal, scale, False, score_mod, mask_mod)
     for name, g, ref, pt, like in zip(("dq", "dk", "dv"), got, refs, pts, (q, k, v)):
         assert g.shape == like.shape and g.dtype == like.dtype, name
         assert not g.isnan().any(), f"{name} has NaN (unwritten or bad math)"

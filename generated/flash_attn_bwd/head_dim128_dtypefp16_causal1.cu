@@ -8,6 +8,9 @@
 // summed over the heads / heads_k query heads of each kv head (GQA). q, dout: (batch, seqlen_q,
 // heads, head_dim); k, v, dk, dv: (batch, seqlen_k, heads_k, head_dim); lse, dsum: (batch, heads,
 // seqlen_q) fp32; dq_accum: (batch, seqlen_q, heads, head_dim) fp32 or null (then no dQ).
+// A spec's mods (the Mods struct below, if it has any) apply as in the forward:
+//   P[i, j] = exp(score_mod(scale * Q[i] . K[j]) - LSE[i]) (0 where mask_mod hides the pair),
+//   dS[i, j] = P[i, j] * (dO[i] . V[j] - D[i]) * score_mod_grad(scale * Q[i] . K[j]).
 // Variant: head_dim=128 dtype=fp16 causal=true arch=sm_80
 // Config:  block_m=64 block_n=128 warps=8 dsplit=1 stages=2 grid_order=0
 #include "kernelgen/flash_bwd_sm80.cuh"

@@ -5,7 +5,8 @@
 //   P[i, j] = exp(scale * Q[i] . K[j] - LSE[i])   (masked: 0; causal: j <= i + seqlen_k - seqlen_q)
 //   dQ[i]   = scale * sum_j P[i, j] * (dO[i] . V[j] - D[i]) K[j]
 // q, dout, dq: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_k, head_dim);
-// lse, dsum: (batch, heads, seqlen_q) fp32.
+// lse, dsum: (batch, heads, seqlen_q) fp32. A spec's mods (the Mods struct below, if it has any)
+// apply as in flash_attn_bwd: P from the score_mod's scores, dS times score_mod_grad.
 // Variant: head_dim=64 dtype=fp16 causal=true arch=sm_80
 // Config:  block_m=128 block_n=32 warps=4 stages=2
 #include "kernelgen/flash_bwd_dq_sm80.cuh"

@@ -7,9 +7,10 @@
 //     S = Q_i K_j^T,  P = exp2(S * scale * log2e - LSE * log2e),  dP = dO_i V_j^T,
 //     dS = P * (dP - D),  dQ_i += dS K_j    (dS from registers: the C layout is the A layout)
 // It recomputes S and dP that the main kernel (flash_bwd_sm80.cuh, run without dq_accum) also
-// computes: two extra GEMMs per tile pair, the price of determinism.
+// computes: two extra GEMMs per tile pair, the price of determinism. A spec's mods apply as in
+// the main kernel (see there), and its kv range picks the KV tiles as in the forward.
 #pragma once
-#include "kernelgen/flash_bwd_sm80.cuh"  // TileLoader, mask_probs
+#include "kernelgen/flash_bwd_sm80.cuh"  // TileLoader, mask_probs, the mods helpers
 
 namespace kg {
 
@@ -46,8 +47,9 @@ struct BwdDqConfig {
     static_assert(STAGES >= 2, "a ring of one stage cannot overlap loads with math");
 };
 
-template <class C>
-__device__ __forceinline__ void flash_bwd_dq_sm80(const BwdDqArgs<typename C::Elem>& a) {
+template <class C, class Mods = NoMods>
+__device__ __forceinline__ void flash_bwd_dq_sm80(const BwdDqArgs<typename C::Elem>& a,
+                                                  const Mods& mods = Mods{}) {
     using Elem = typename C::Elem;
     extern __shared__ __align__(128) unsigned char smem[];
 
@@ -66,7 +68,16 @@ __device__ __forceinline__ void flash_bwd_dq_sm80(const BwdDqArgs<typename C::El
     const int q_rows = min(a.seqlen_q - row0, C::kBlockM);
     int kv_end = a.seqlen_k;
     if constexpr (C::kCausal) kv_end = min(kv_end, row0 + q_rows + shift);
-    const int n_blocks = kv_end > 0 ? cdiv(kv_end, C::kBlockN) : 0;
+    // KV tiles [n_first, n_first + n_blocks), as in the forward; n_first is a compile-time 0
+    // without a kv range.
+    int n_first = 0, n_blocks = kv_end > 0 ? cdiv(kv_end, C::kBlockN) : 0;
+    if constexpr (Mods::kKvRange) {
+        const int q_last = row0 + q_rows - 1;
+        const int lo = max(0, mods.kv_lo(row0, q_last, batch, head, a.seqlen_q, a.seqlen_k));
+        kv_end = min(kv_end, mods.kv_hi(row0, q_last, batch, head, a.seqlen_q, a.seqlen_k));
+        n_first = lo / C::kBlockN;
+        n_blocks = kv_end > lo ? cdiv(kv_end, C::kBlockN) - n_first : 0;
+    }
     if (n_blocks == 0) {  // no row of the tile sees a key: dQ = 0
         for (int i = tid; i < q_rows * C::kHeadDim; i += C::kThreads)
             dq[(i / C::kHeadDim) * a.dq_stride_s + i % C::kHeadDim] = Elem{0};
@@ -85,11 +96,11 @@ __device__ __forceinline__ void flash_bwd_dq_sm80(const BwdDqArgs<typename C::El
     #pragma unroll
     for (int s = 0; s < C::kStages - 1; ++s) {
         if (s < n_blocks) {
-            const int rows = a.seqlen_k - s * C::kBlockN;
+            const int tile = n_first + s, rows = a.seqlen_k - tile * C::kBlockN;
             loader.template load<C::kBlockN>(s_k + s * C::kTileKV * 2,
-                                             k + s * C::kBlockN * a.k_stride_s, a.k_stride_s, rows);
+                                             k + tile * C::kBlockN * a.k_stride_s, a.k_stride_s, rows);
             loader.template load<C::kBlockN>(s_v + s * C::kTileKV * 2,
-                                             v + s * C::kBlockN * a.v_stride_s, a.v_stride_s, rows);
+                                             v + tile * C::kBlockN * a.v_stride_s, a.v_stride_s, rows);
         }
         cp_async_commit();
     }
@@ -116,11 +127,12 @@ __device__ __forceinline__ void flash_bwd_dq_sm80(const BwdDqArgs<typename C::El
         {
             const int pf = nb + C::kStages - 1;
             if (pf < n_blocks) {
-                const int slot = pf % C::kStages, rows = a.seqlen_k - pf * C::kBlockN;
+                const int slot = pf % C::kStages, tile = n_first + pf;
+                const int rows = a.seqlen_k - tile * C::kBlockN;
                 loader.template load<C::kBlockN>(s_k + slot * C::kTileKV * 2,
-                                                 k + pf * C::kBlockN * a.k_stride_s, a.k_stride_s, rows);
+                                                 k + tile * C::kBlockN * a.k_stride_s, a.k_stride_s, rows);
                 loader.template load<C::kBlockN>(s_v + slot * C::kTileKV * 2,
-                                                 v + pf * C::kBlockN * a.v_stride_s, a.v_stride_s, rows);
+                                                 v + tile * C::kBlockN * a.v_stride_s, a.v_stride_s, rows);
             }
             cp_async_commit();
         }
@@ -130,28 +142,56 @@ __device__ __forceinline__ void flash_bwd_dq_sm80(const BwdDqArgs<typename C::El
         float acc_s[C::kMTiles][C::kSTiles][4] = {};
         warp_mma_rows<Elem, C::kMTiles, C::kSTiles, C::kHeadDim / 16, C::kPitch>(
             acc_s, s_q + warp_row * C::kPitch * 2, k_tile, lane);
-        #pragma unroll
-        for (int mt = 0; mt < C::kMTiles; ++mt)
+        // P in place, as without mods; with a score_mod, dS comes from the raw scores after dP
+        // instead (one pass with every mask), since it needs score_mod_grad of the raw score.
+        if constexpr (!Mods::kScoreMod) {
             #pragma unroll
-            for (int nt = 0; nt < C::kSTiles; ++nt)
+            for (int mt = 0; mt < C::kMTiles; ++mt)
                 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    acc_s[mt][nt][e] = exp2_approx(fmaf(acc_s[mt][nt][e], scale_log2, -lse2[mt][e / 2]));
+                for (int nt = 0; nt < C::kSTiles; ++nt)
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        acc_s[mt][nt][e] = exp2_approx(fmaf(acc_s[mt][nt][e], scale_log2, -lse2[mt][e / 2]));
+        }
 
         // P = 0 for keys past seqlen_k and, for causal, past a row's diagonal (that includes the
         // rows with LSE = -inf, which see no key). Only straddling tiles pay for the test.
-        const int col0 = nb * C::kBlockN;
+        const int col0 = (n_first + nb) * C::kBlockN;
         bool need_mask = col0 + C::kBlockN > a.seqlen_k;
         if constexpr (C::kCausal) need_mask |= col0 + C::kBlockN - 1 > row0 + shift;
-        if (need_mask) {
-            const int lane_col = col0 + 2 * (lane % 4);
-            mask_probs</*KEYS_ARE_ROWS=*/false, C::kCausal>(
-                acc_s, a.seqlen_k - lane_col, lane_col - (row0 + lane_row) - shift);
+        if constexpr (!Mods::kScoreMod) {
+            if (need_mask) {
+                const int lane_col = col0 + 2 * (lane % 4);
+                mask_probs</*KEYS_ARE_ROWS=*/false, C::kCausal>(
+                    acc_s, a.seqlen_k - lane_col, lane_col - (row0 + lane_row) - shift);
+            }
+            if constexpr (Mods::kMaskMod) {  // unless the kv range vouches for the whole tile
+                if (mod_mask_needed<C::kBlockN>(mods, col0, row0, row0 + q_rows - 1, batch, head,
+                                                a.seqlen_q, a.seqlen_k))
+                    mod_mask_probs</*KEYS_ARE_ROWS=*/false>(
+                        acc_s, mods, ModSite{batch, a.seqlen_q, a.seqlen_k, a.softmax_scale}, head,
+                        row0 + lane_row, col0 + 2 * (lane % 4));
+            }
         }
 
         float acc_dp[C::kMTiles][C::kSTiles][4] = {};
         warp_mma_rows<Elem, C::kMTiles, C::kSTiles, C::kHeadDim / 16, C::kPitch>(
             acc_dp, s_do + warp_row * C::kPitch * 2, v_tile, lane);
+        if constexpr (Mods::kScoreMod) {
+            // P and dS from the raw scores (every mask in one pass, the mask_mod only where the
+            // kv range does not vouch for the whole tile); dS is packed below.
+            const int lane_q = row0 + lane_row, lane_kv = col0 + 2 * (lane % 4);
+            const int tail = a.seqlen_k - lane_kv, diag = lane_kv - lane_q - shift;
+            mod_probs_grads</*KEYS_ARE_ROWS=*/false>(
+                acc_s, acc_dp, mods, ModSite{batch, a.seqlen_q, a.seqlen_k, a.softmax_scale}, head,
+                lane_q, lane_kv,
+                mod_mask_needed<C::kBlockN>(mods, col0, row0, row0 + q_rows - 1, batch, head,
+                                            a.seqlen_q, a.seqlen_k),
+                [&](int key, int query) {
+                    return need_mask && (key >= tail || (C::kCausal && diag + key - query > 0));
+                },
+                [&](int mt, int, int e) { return float2{lse2[mt][e / 2], dsum[mt][e / 2]}; });
+        }
 
         // dQ += dS K over this tile's keys; dS packed to 16 bits per k16 step of keys.
         #pragma unroll
@@ -165,7 +205,8 @@ __device__ __forceinline__ void flash_bwd_dq_sm80(const BwdDqArgs<typename C::El
                     const float* p = acc_s[mt][nt] + 2 * h;
                     const float* dp = acc_dp[mt][nt] + 2 * h;
                     const float d = dsum[mt][h];
-                    dsa[mt][i] = pack2<Elem>(p[0] * (dp[0] - d), p[1] * (dp[1] - d));
+                    dsa[mt][i] = Mods::kScoreMod ? pack2<Elem>(dp[0], dp[1])
+                                              : pack2<Elem>(p[0] * (dp[0] - d), p[1] * (dp[1] - d));
                 }
             warp_mma_step_kn<Elem, C::kMTiles, C::kDTiles, C::kPitch>(
                 acc_dq, dsa, k_tile + kk * 16 * C::kPitch * 2, lane);

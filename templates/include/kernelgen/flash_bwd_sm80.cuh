@@ -18,6 +18,13 @@
 // for half of head_dim, which halves the accumulators (head_dim 192 and 256 fit in registers);
 // P^T and dS^T then pass through shared memory so that both warps see whole rows.
 // Shared-memory rows are padded by 16 bytes as in the forward (conflict-free ldmatrix).
+//
+// With a spec's mods (the Mods struct mods.inc.j2 renders; NoMods without) the scores are those
+// of the forward: x = scale * q.k, P = exp(score_mod(x) - LSE), zero where the built-in masks or
+// mask_mod hide the pair, and dS = P (dP - D) * score_mod_grad(x) (the chain rule through the
+// score_mod; the one through x is the scale that dK and dQ take at the end, as without mods).
+// A kv range skips the query tiles whose keys miss this KV tile (evaluated per tile, 32 tiles per
+// step, one per lane) and the mask_mod on tiles inside its [full_lo, full_hi).
 #pragma once
 #include "kernelgen/flash_fwd_sm80.cuh"  // TileLoader
 #include "kernelgen/warp_mma.cuh"
@@ -96,13 +103,11 @@ struct BwdConfig {
     static_assert(GRID_ORDER == 0 || GRID_ORDER == 1, "two grid orders");
 };
 
-// P = 0 for masked (key, query) pairs: keys at or past seqlen_k and, for causal, keys past the
-// query's diagonal. Element (mt, nt, e) of a lane sits mt*16 + (e/2)*8 rows and nt*8 + (e&1)
-// columns from the lane's first element; KEYS_ARE_ROWS says which of the two is the key. `tail`
-// is the key offset of seqlen_k, `diag` is key - query - (seqlen_k - seqlen_q) at offset 0. Both
-// tests compare against one per-lane number, so the unrolled compares take immediates.
-template <bool KEYS_ARE_ROWS, bool CAUSAL, int MT, int NT>
-__device__ __forceinline__ void mask_probs(float (&p)[MT][NT][4], int tail, int diag) {
+// f(mt, nt, e, key, query) for each element (mt, nt, e) of a lane's MT x NT n8 tiles of scores:
+// it sits mt*16 + (e/2)*8 rows and nt*8 + (e&1) columns from the lane's first element, and
+// KEYS_ARE_ROWS says which of the two offsets is the key's and which the query's.
+template <bool KEYS_ARE_ROWS, int MT, int NT, class F>
+__device__ __forceinline__ void for_each_pair(F&& f) {
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
         #pragma unroll
@@ -110,11 +115,129 @@ __device__ __forceinline__ void mask_probs(float (&p)[MT][NT][4], int tail, int 
             #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int row = mt * 16 + (e / 2) * 8, col = nt * 8 + (e & 1);
-                const int key = KEYS_ARE_ROWS ? row : col, query = KEYS_ARE_ROWS ? col : row;
-                bool masked = key >= tail;
-                if constexpr (CAUSAL) masked |= diag + key - query > 0;
-                if (masked) p[mt][nt][e] = 0.f;
+                f(mt, nt, e, KEYS_ARE_ROWS ? row : col, KEYS_ARE_ROWS ? col : row);
             }
+}
+
+// P = 0 for masked (key, query) pairs: keys at or past seqlen_k and, for causal, keys past the
+// query's diagonal. `tail` is the key offset of seqlen_k, `diag` is key - query - (seqlen_k -
+// seqlen_q) at offset 0. Both tests compare against one per-lane number, so the unrolled
+// compares take immediates.
+template <bool KEYS_ARE_ROWS, bool CAUSAL, int MT, int NT>
+__device__ __forceinline__ void mask_probs(float (&p)[MT][NT][4], int tail, int diag) {
+    for_each_pair<KEYS_ARE_ROWS, MT, NT>([&](int mt, int nt, int e, int key, int query) {
+        bool masked = key >= tail;
+        if constexpr (CAUSAL) masked |= diag + key - query > 0;
+        if (masked) p[mt][nt][e] = 0.f;
+    });
+}
+
+// ---- attention modifiers ------------------------------------------------------------------------
+// What a pair's mods need besides its head and indices.
+struct ModSite {
+    int batch, seqlen_q, seqlen_k;
+    float scale;
+};
+
+// P and dS of one (query, key) pair, from the raw score acc = q.k, dP - D and lse2 = LSE * log2e,
+// as the forward computes P (flash_fwd_sm80.cuh): the score_mod sees the scaled score, the
+// softmax then runs on the modified one. Indices are clamped so that a mod reading per-token
+// tensors stays in bounds on padding rows and columns (those are masked or never stored).
+template <class Mods>
+__device__ __forceinline__ float2 mod_prob_grad(const Mods& mods, const ModSite& at, int head,
+                                                int query, int key, float acc, float dp_minus_d,
+                                                float lse2) {
+    const int q_idx = min(query, at.seqlen_q - 1), kv_idx = min(key, at.seqlen_k - 1);
+    if constexpr (Mods::kScoreMod) {
+        const float score = acc * at.scale;
+        const float p = exp2_approx(fmaf(mods.score_mod(score, at.batch, head, q_idx, kv_idx,
+                                                        at.seqlen_q, at.seqlen_k), kLog2e, -lse2));
+        return {p, p * dp_minus_d * mods.score_mod_grad(score, at.batch, head, q_idx, kv_idx,
+                                                        at.seqlen_q, at.seqlen_k)};
+    } else {
+        const float p = exp2_approx(fmaf(acc, at.scale * kLog2e, -lse2));
+        return {p, p * dp_minus_d};
+    }
+}
+
+template <class Mods>
+__device__ __forceinline__ bool mod_hides(const Mods& mods, const ModSite& at, int head, int query,
+                                          int key) {
+    return !mods.mask_mod(at.batch, head, min(query, at.seqlen_q - 1), min(key, at.seqlen_k - 1),
+                          at.seqlen_q, at.seqlen_k);
+}
+
+// P = 0 where the mask_mod hides the pair (elements as in for_each_pair); the lane's first
+// element is at (query, key) = (q0, k0).
+template <bool KEYS_ARE_ROWS, class Mods, int MT, int NT>
+__device__ __forceinline__ void mod_mask_probs(float (&p)[MT][NT][4], const Mods& mods,
+                                               const ModSite& at, int head, int q0, int k0) {
+    for_each_pair<KEYS_ARE_ROWS, MT, NT>([&](int mt, int nt, int e, int key, int query) {
+        if (mod_hides(mods, at, head, q0 + query, k0 + key)) p[mt][nt][e] = 0.f;
+    });
+}
+
+// P and dS in place of S (the raw scores) and dP with a score_mod: each pair as mod_prob_grad
+// says, zero where a mask hides it (`masked`: the built-in masks; the mask_mod where
+// need_mod_mask). lse2_d(mt, nt, e) gives that element's (LSE * log2e, D); the lane's first
+// element is at (query, key) = (q0, k0).
+template <bool KEYS_ARE_ROWS, class Mods, int MT, int NT, class Masked, class Stats>
+__device__ __forceinline__ void mod_probs_grads(float (&s)[MT][NT][4], float (&dp)[MT][NT][4],
+                                                const Mods& mods, const ModSite& at, int head,
+                                                int q0, int k0, bool need_mod_mask,
+                                                const Masked& masked, const Stats& lse2_d) {
+    for_each_pair<KEYS_ARE_ROWS, MT, NT>([&](int mt, int nt, int e, int key, int query) {
+        bool hidden = masked(key, query);
+        if constexpr (Mods::kMaskMod)
+            hidden |= need_mod_mask && mod_hides(mods, at, head, q0 + query, k0 + key);
+        const float2 stats = lse2_d(mt, nt, e);
+        const float2 pd = mod_prob_grad(mods, at, head, q0 + query, k0 + key, s[mt][nt][e],
+                                        dp[mt][nt][e] - stats.y, stats.x);
+        s[mt][nt][e] = hidden ? 0.f : pd.x;
+        dp[mt][nt][e] = hidden ? 0.f : pd.y;
+    });
+}
+
+// Whether the mask_mod must be evaluated per element on the keys [kv0, kv0 + BLOCK_N) of the
+// query rows q_first..q_last: always, unless the kv range says all of them are visible.
+template <int BLOCK_N, class Mods>
+__device__ __forceinline__ bool mod_mask_needed(const Mods& mods, int kv0, int q_first, int q_last,
+                                                int batch, int head, int seqlen_q, int seqlen_k) {
+    if constexpr (Mods::kMaskMod && Mods::kKvRange)
+        return kv0 < mods.full_lo(q_first, q_last, batch, head, seqlen_q, seqlen_k) ||
+               kv0 + BLOCK_N > mods.full_hi(q_first, q_last, batch, head, seqlen_q, seqlen_k);
+    return Mods::kMaskMod;
+}
+
+// The first index in [from, count) for which seen(index) holds, else count: each step tries 32
+// indices, one per lane, and takes the least with a warp min (uniform over the warp), so a long
+// run of skipped tiles costs little.
+template <class Seen>
+__device__ __forceinline__ int first_seen(int from, int count, int lane, const Seen& seen) {
+    for (int base = from; base < count; base += 32) {
+        const int index = base + lane;
+        int found = index < count && seen(index) ? index : count;
+        #pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2)
+            found = min(found, __shfl_xor_sync(0xffffffffu, found, offset));
+        if (found < count) return found;
+    }
+    return count;
+}
+
+// How many indices in [0, count) satisfy seen (a warp sum per 32 indices).
+template <class Seen>
+__device__ __forceinline__ int count_seen(int count, int lane, const Seen& seen) {
+    int total = 0;
+    for (int base = 0; base < count; base += 32) {
+        const int index = base + lane;
+        int hits = index < count && seen(index) ? 1 : 0;
+        #pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2)
+            hits += __shfl_xor_sync(0xffffffffu, hits, offset);
+        total += hits;
+    }
+    return total;
 }
 
 // dQ[m0 + rows, :] += scale * dS K for the query tile at m0: dS^T is in shared memory as [key][query]
@@ -156,8 +279,9 @@ __device__ __forceinline__ void add_dq_tile(const BwdArgs<typename C::Elem>& a, 
     }
 }
 
-template <class C>
-__device__ __forceinline__ void flash_bwd_sm80(const BwdArgs<typename C::Elem>& a) {
+template <class C, class Mods = NoMods>
+__device__ __forceinline__ void flash_bwd_sm80(const BwdArgs<typename C::Elem>& a,
+                                               const Mods& mods = Mods{}) {
     using Elem = typename C::Elem;
     extern __shared__ __align__(128) unsigned char smem[];
 
@@ -175,7 +299,28 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdArgs<typename C::Elem>& 
     int m_first = 0;
     if constexpr (C::kCausal) m_first = min(max(kv0 - shift, 0) / C::kBlockM, m_tiles);
     const int per_head = m_tiles - m_first;
-    const int n_iter = per_head * group;  // (query head, query tile) pairs, head-major
+    // (query head, query tile) pairs, head-major. With a kv range only the pairs whose keys meet
+    // this KV tile are visited: `n_iter` counts them, and load_at / math_at walk them.
+    auto pair_head = [&](int pair) { return kv_head * group + pair / per_head; };
+    auto pair_m0 = [&](int pair) { return (m_first + pair % per_head) * C::kBlockM; };
+    auto pair_seen = [&](int pair) {
+        const int head = pair_head(pair), m0 = pair_m0(pair);
+        const int q_last = min(m0 + C::kBlockM, a.seqlen_q) - 1;
+        const int lo = max(0, mods.kv_lo(m0, q_last, batch, head, a.seqlen_q, a.seqlen_k));
+        int hi = min(a.seqlen_k, mods.kv_hi(m0, q_last, batch, head, a.seqlen_q, a.seqlen_k));
+        if constexpr (C::kCausal) hi = min(hi, q_last + shift + 1);
+        return lo < hi && kv0 < hi && lo < kv0 + C::kBlockN;
+    };
+    const int n_pairs = per_head * group;
+    const int n_iter = [&] {
+        if constexpr (Mods::kKvRange) return count_seen(n_pairs, lane, pair_seen);
+        else return n_pairs;
+    }();
+    auto next_pair = [&](int from) {
+        if constexpr (Mods::kKvRange) return first_seen(from, n_pairs, lane, pair_seen);
+        else return from;
+    };
+    int load_at = next_pair(0), math_at = load_at;
 
     const u32 s_k = smem_addr(smem), s_v = s_k + C::kOffV, s_q = s_k + C::kOffQ;
     const u32 s_do = s_k + C::kOffDo, s_ds = s_k + C::kOffDs, s_p = s_k + C::kOffP;
@@ -183,9 +328,9 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdArgs<typename C::Elem>& 
     const float* stats = reinterpret_cast<const float*>(smem + C::kOffStats);
 
     const TileLoader<C> loader(tid);
-    auto load_query_tile = [&](int it) {
-        const int slot = it % C::kStages, head = kv_head * group + it / per_head;
-        const int m0 = (m_first + it % per_head) * C::kBlockM, rows = a.seqlen_q - m0;
+    auto load_query_tile = [&](int it, int pair) {  // iteration `it` (the slot) loads `pair`
+        const int slot = it % C::kStages, head = pair_head(pair);
+        const int m0 = pair_m0(pair), rows = a.seqlen_q - m0;
         loader.template load<C::kBlockM>(
             s_q + slot * C::kTileQ * 2,
             a.q + batch * a.q_stride_b + head * a.q_stride_h + m0 * a.q_stride_s, a.q_stride_s, rows);
@@ -213,7 +358,10 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdArgs<typename C::Elem>& 
     loader.template load<C::kBlockN>(s_v, v, a.v_stride_s, a.seqlen_k - kv0);
     #pragma unroll
     for (int s = 0; s < C::kStages - 1; ++s) {
-        if (s < n_iter) load_query_tile(s);
+        if (s < n_iter) {
+            load_query_tile(s, Mods::kKvRange ? load_at : s);
+            if constexpr (Mods::kKvRange) load_at = next_pair(load_at + 1);
+        }
         cp_async_commit();  // empty groups keep the wait_group arithmetic uniform
     }
 
@@ -231,11 +379,16 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdArgs<typename C::Elem>& 
     for (int it = 0; it < n_iter; ++it) {
         cp_async_wait<C::kStages - 2>();
         __syncthreads();  // tile `it` visible to all warps; the slot of it-1 is free again
-        if (it + C::kStages - 1 < n_iter) load_query_tile(it + C::kStages - 1);
+        if (it + C::kStages - 1 < n_iter) {
+            load_query_tile(it + C::kStages - 1, Mods::kKvRange ? load_at : it + C::kStages - 1);
+            if constexpr (Mods::kKvRange) load_at = next_pair(load_at + 1);
+        }
         cp_async_commit();
 
-        const int slot = it % C::kStages, head = kv_head * group + it / per_head;
-        const int m0 = (m_first + it % per_head) * C::kBlockM;
+        const int pair = Mods::kKvRange ? math_at : it;
+        if constexpr (Mods::kKvRange) math_at = next_pair(math_at + 1);
+        const int slot = it % C::kStages, head = pair_head(pair);
+        const int m0 = pair_m0(pair);
         const u32 q_tile = s_q + slot * C::kTileQ * 2, do_tile = s_do + slot * C::kTileQ * 2;
         const float* lse = stats + slot * C::kBlockM;
         const float* dsum = stats + (C::kStages + slot) * C::kBlockM;
@@ -245,42 +398,83 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdArgs<typename C::Elem>& 
         float acc_s[C::kMTiles][C::kSTiles][4] = {};
         warp_mma_rows<Elem, C::kMTiles, C::kSTiles, C::kHeadDim / 16, C::kPitch>(
             acc_s, s_k + warp_row * C::kPitch * 2, q_tile + warp_col * C::kPitch * 2, lane);
-        #pragma unroll
-        for (int nt = 0; nt < C::kSTiles; ++nt) {
-            const float2 l = *reinterpret_cast<const float2*>(lse + lane_col + nt * 8);
+        // P in place, as without mods; with a score_mod, P and dS come from the raw scores after
+        // dP instead (one pass with every mask), since dS needs score_mod_grad of the raw score.
+        if constexpr (!Mods::kScoreMod) {
             #pragma unroll
-            for (int mt = 0; mt < C::kMTiles; ++mt)
+            for (int nt = 0; nt < C::kSTiles; ++nt) {
+                const float2 l = *reinterpret_cast<const float2*>(lse + lane_col + nt * 8);
                 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    acc_s[mt][nt][e] = exp2_approx(
-                        fmaf(acc_s[mt][nt][e], scale_log2, -(e & 1 ? l.y : l.x) * kLog2e));
+                for (int mt = 0; mt < C::kMTiles; ++mt)
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        acc_s[mt][nt][e] = exp2_approx(
+                            fmaf(acc_s[mt][nt][e], scale_log2, -(e & 1 ? l.y : l.x) * kLog2e));
+            }
         }
         // Keys past seqlen_k and, for causal, keys past a query's diagonal get P = 0. That also
         // covers rows that see no key at all (LSE = -inf, P = inf before this): they only occur
         // in tiles that straddle the diagonal. Only those tiles pay (a CTA-uniform branch).
         bool need_mask = kv0 + C::kBlockN > a.seqlen_k;
         if constexpr (C::kCausal) need_mask |= kv0 + C::kBlockN - 1 > m0 + shift;
-        if (need_mask)
-            mask_probs</*KEYS_ARE_ROWS=*/true, C::kCausal>(
-                acc_s, a.seqlen_k - kv0 - lane_key, kv0 + lane_key - (m0 + lane_col) - shift);
+        if constexpr (!Mods::kScoreMod) {
+            if (need_mask)
+                mask_probs</*KEYS_ARE_ROWS=*/true, C::kCausal>(
+                    acc_s, a.seqlen_k - kv0 - lane_key, kv0 + lane_key - (m0 + lane_col) - shift);
+            if constexpr (Mods::kMaskMod) {  // unless the kv range vouches for the whole tile
+                if (mod_mask_needed<C::kBlockN>(mods, kv0, m0, min(m0 + C::kBlockM, a.seqlen_q) - 1,
+                                                batch, head, a.seqlen_q, a.seqlen_k))
+                    mod_mask_probs</*KEYS_ARE_ROWS=*/true>(
+                        acc_s, mods, ModSite{batch, a.seqlen_q, a.seqlen_k, a.softmax_scale}, head,
+                        m0 + lane_col, kv0 + lane_key);
+            }
+        }
 
         // dP^T = V dO^T, then P^T and dS^T = P^T (dP^T - D) packed to 16 bits.
         float acc_dp[C::kMTiles][C::kSTiles][4] = {};
         warp_mma_rows<Elem, C::kMTiles, C::kSTiles, C::kHeadDim / 16, C::kPitch>(
             acc_dp, s_v + warp_row * C::kPitch * 2, do_tile + warp_col * C::kPitch * 2, lane);
         u32 p16[C::kMTiles][C::kSTiles][2], ds16[C::kMTiles][C::kSTiles][2];
-        #pragma unroll
-        for (int nt = 0; nt < C::kSTiles; ++nt) {
-            const float2 d = *reinterpret_cast<const float2*>(dsum + lane_col + nt * 8);
+        if constexpr (Mods::kScoreMod) {
+            // P and dS from the raw scores, every mask in one pass (the mask_mod only where the
+            // kv range does not vouch for the whole tile).
+            const int tail = a.seqlen_k - kv0 - lane_key;
+            const int diag = kv0 + lane_key - (m0 + lane_col) - shift;
+            mod_probs_grads</*KEYS_ARE_ROWS=*/true>(
+                acc_s, acc_dp, mods, ModSite{batch, a.seqlen_q, a.seqlen_k, a.softmax_scale}, head,
+                m0 + lane_col, kv0 + lane_key,
+                mod_mask_needed<C::kBlockN>(mods, kv0, m0, min(m0 + C::kBlockM, a.seqlen_q) - 1,
+                                            batch, head, a.seqlen_q, a.seqlen_k),
+                [&](int key, int query) {
+                    return need_mask && (key >= tail || (C::kCausal && diag + key - query > 0));
+                },
+                [&](int, int nt, int e) {
+                    const int query = lane_col + nt * 8 + (e & 1);
+                    return float2{lse[query] * kLog2e, dsum[query]};
+                });
             #pragma unroll
             for (int mt = 0; mt < C::kMTiles; ++mt)
                 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const float* p = acc_s[mt][nt] + 2 * h;
-                    const float* dp = acc_dp[mt][nt] + 2 * h;
-                    p16[mt][nt][h] = pack2<Elem>(p[0], p[1]);
-                    ds16[mt][nt][h] = pack2<Elem>(p[0] * (dp[0] - d.x), p[1] * (dp[1] - d.y));
-                }
+                for (int nt = 0; nt < C::kSTiles; ++nt)
+                    #pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        p16[mt][nt][h] = pack2<Elem>(acc_s[mt][nt][2 * h], acc_s[mt][nt][2 * h + 1]);
+                        ds16[mt][nt][h] = pack2<Elem>(acc_dp[mt][nt][2 * h], acc_dp[mt][nt][2 * h + 1]);
+                    }
+        } else {
+            #pragma unroll
+            for (int nt = 0; nt < C::kSTiles; ++nt) {
+                const float2 d = *reinterpret_cast<const float2*>(dsum + lane_col + nt * 8);
+                #pragma unroll
+                for (int mt = 0; mt < C::kMTiles; ++mt)
+                    #pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const float* p = acc_s[mt][nt] + 2 * h;
+                        const float* dp = acc_dp[mt][nt] + 2 * h;
+                        p16[mt][nt][h] = pack2<Elem>(p[0], p[1]);
+                        ds16[mt][nt][h] = pack2<Elem>(p[0] * (dp[0] - d.x), p[1] * (dp[1] - d.y));
+                    }
+            }
         }
 
         // dS^T (for dQ, and for the partner warp with DSPLIT = 2) and P^T to shared memory.
