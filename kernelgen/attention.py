@@ -1,14 +1,15 @@
 """Attention specs with modifiers (score_mod, mask_mod: see docs/writing-specs.md) as callables.
 
 `kernelgen.load(spec, **params)` on a spec that extends flash_attn_fwd gives an AttentionKernel:
-called like flash_attn_func, with the spec's mod arguments as keywords. flash_attn_func's
-built-in options (window_size, softcap, alibi_slopes) are the shipped specs of this kind.
+called like flash_attn_func, with the spec's mod arguments as keywords, and differentiable in q,
+k and v (the backward runs the same mods: backward.ModArgs). flash_attn_func's built-in options
+(window_size, softcap, alibi_slopes) are the shipped specs of this kind.
 """
 from __future__ import annotations
 
 import torch
 
-from kernelgen import api, ops
+from kernelgen import api, backward, ops
 from kernelgen.spec import KernelSpec, load_spec
 
 BASE_ARGS = tuple(a.name for a in load_spec(ops.FWD_SPEC).args)
@@ -44,19 +45,29 @@ class AttentionKernel:
         return bound
 
     def __call__(self, q, k, v, softmax_scale: float | None = None, return_lse: bool = False,
-                 **mod_args):
+                 deterministic: bool = False, **mod_args):
+        """out (and lse); gradients flow to q, k and v through `out` (the mod arguments get none).
+        deterministic=True: bitwise reproducible gradients (dQ without atomics)."""
+        wants_grad = torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+        if wants_grad:
+            backward.check_differentiable(self.spec)  # before any GPU is needed: a spec's property
         ops._check_inputs(q, k, v)
         if q.shape[-1] != self.params.get("head_dim", q.shape[-1]):
             raise ValueError(f"q has head_dim {q.shape[-1]} but this kernel was built for "
                              f"head_dim={self.params['head_dim']}")
         if "dtype" in self.params and ops._DTYPES[q.dtype] != self.params["dtype"]:
             raise TypeError(f"q is {q.dtype} but this kernel was built for dtype={self.params['dtype']}")
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            raise NotImplementedError(
-                f"{self.spec.name}: no backward pass for attention with mods yet; call it under "
-                "torch.no_grad() or on tensors that do not require grad")
-        extra = self._mod_values(mod_args, q.device)
+        values = self._mod_values(mod_args, q.device)
         scale = ops._scale(q, softmax_scale)
+        if wants_grad:
+            out, lse = _AttentionFunction.apply(self, scale, bool(deterministic), q, k, v, *values)
+        else:
+            out, lse = self.forward(q, k, v, scale, values)
+        return (out, lse) if return_lse else out
+
+    def forward(self, q, k, v, scale: float, values: tuple):
+        """(out, lse) on validated inputs, without autograd; values: the mod arguments in order."""
         q, k, v = ops._aligned(q), ops._aligned(k), ops._aligned(v)
         device = q.device.index
         bound = self.kernel(api.pick_arch(self.spec, device))
@@ -64,16 +75,18 @@ class AttentionKernel:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
         if out.numel():
+            extra = _launch_values(values)
             scalars = {"batch": batch, "heads": heads, "heads_k": k.shape[2],
                        "seqlen_q": seqlen_q, "seqlen_k": k.shape[1]}
-            values = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                      *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-                      batch, heads, k.shape[2], seqlen_q, k.shape[1], scale, *extra)
-            bound.launch(values, bound.grid({**scalars, **dict(zip(
+            args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                    *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+                    batch, heads, k.shape[2], seqlen_q, k.shape[1], scale, *extra)
+            bound.launch(args, bound.grid({**scalars, **dict(zip(
                 (a.name for a in self.mod_args), extra))}), device, api._current_stream(device))
-        return (out, lse) if return_lse else out
+        return out, lse
 
     def _mod_values(self, given: dict, device) -> tuple:
+        """The mod arguments in the kernel's order, checked: tensors for `ptr`, numbers else."""
         names = [a.name for a in self.mod_args]
         missing = [n for n in names if n not in given]
         extra = [n for n in given if n not in names]
@@ -90,7 +103,7 @@ class AttentionKernel:
                     raise ValueError(f"{arg.name} is on {value.device} but q is on {device}")
                 if not value.is_contiguous():
                     raise ValueError(f"{arg.name} must be contiguous")
-                values.append(value.data_ptr())
+                values.append(value)
             elif arg.type == "f32":
                 values.append(float(value))
             else:
@@ -98,6 +111,38 @@ class AttentionKernel:
                     raise TypeError(f"{arg.name} must be an int, got {value!r}")
                 values.append(value)
         return tuple(values)
+
+
+def _launch_values(values: tuple) -> tuple:
+    return tuple(v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values)
+
+
+class _AttentionFunction(torch.autograd.Function):
+    """An AttentionKernel's forward, and as its backward backward.flash_attn_backward with the
+    spec's mods. Saved: q, k, v, out, lse and the mod tensors (their versions are checked);
+    scalars ride on ctx. The mod arguments get no gradient."""
+
+    @staticmethod
+    def forward(ctx, kernel: AttentionKernel, scale: float, deterministic: bool, q, k, v, *values):
+        out, lse = kernel.forward(q, k, v, scale, values)
+        tensors = [x for x in values if isinstance(x, torch.Tensor)]
+        ctx.save_for_backward(q, k, v, out, lse, *tensors)
+        ctx.kernel, ctx.scale, ctx.deterministic = kernel, scale, deterministic
+        ctx.scalars = tuple(None if isinstance(x, torch.Tensor) else x for x in values)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        given = iter(tensors)
+        values = tuple(next(given) if x is None else x for x in ctx.scalars)
+        kernel = ctx.kernel
+        mods = backward.ModArgs(kernel.spec, kernel.variant.params, values)
+        dq, dk, dv = backward.flash_attn_backward(
+            dout, q, k, v, out, lse, bool(kernel.params.get("causal", False)), ctx.scale,
+            ctx.deterministic, mods=mods)
+        return (None, None, None, dq, dk, dv, *(None for _ in values))
 
 
 def load(spec, *, arch: str | None = None, config=None, **params):
@@ -112,8 +157,8 @@ _BUILTINS: dict[tuple, AttentionKernel] = {}
 
 
 def builtin_forward(q, k, v, causal, softmax_scale, return_lse, window_size, softcap,
-                    alibi_slopes):
-    """flash_attn_func with one of its modifier options."""
+                    alibi_slopes, deterministic=False):
+    """flash_attn_func with one of its modifier options (differentiable like the spec's kernel)."""
     active = [name for name, on in (("window_size", tuple(window_size) != (-1, -1)),
                                     ("softcap", bool(softcap)),
                                     ("alibi_slopes", alibi_slopes is not None)) if on]
@@ -127,7 +172,8 @@ def builtin_forward(q, k, v, causal, softmax_scale, return_lse, window_size, sof
     if kernel is None:
         kernel = _BUILTINS[key] = AttentionKernel(load_spec(name), head_dim=q.shape[-1],
                                                   dtype=ops._DTYPES[q.dtype], causal=bool(causal))
-    return kernel(q, k, v, softmax_scale=softmax_scale, return_lse=return_lse, **extra)
+    return kernel(q, k, v, softmax_scale=softmax_scale, return_lse=return_lse,
+                  deterministic=deterministic, **extra)
 
 
 def _builtin_args(option, q, window_size, softcap, alibi_slopes):

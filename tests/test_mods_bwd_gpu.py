@@ -1,0 +1,172 @@
+"""GPU gradients of the modifier specs (softcap, sliding window, ALiBi, document masks, the
+tutorial's prefix LM) through autograd (flash_attn_func's options and kernelgen.load), against
+autograd through the float32 reference applying the same modification, by FlashAttention's rule
+as in tests/test_backward.py: max|g - g_ref| <= 2 * max|g_pt - g_ref| + rounding allowance, g_pt
+the same reference in the input dtype. Ragged sequence lengths (partial tiles, seqlen_q above and
+below seqlen_k) and GQA; gradients poisoned first so that an unwritten element cannot pass."""
+import textwrap
+
+import pytest
+import torch
+
+import kernelgen
+from kernelgen.reference import attention_ref, max_error, rounding_allowance
+from kernelgen.spec import REPO_ROOT
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+SHAPES = [(1, 300, 300, 4, 2), (2, 200, 513, 4, 4), (2, 513, 200, 2, 1), (1, 77, 1000, 8, 1)]  # b, sq, sk, h, hk
+
+
+def rand(*shape, dtype=torch.bfloat16, scale=1.0):
+    return torch.randn(*shape, device="cuda", dtype=dtype) * scale
+
+
+def poison():
+    junk = torch.full((64 * 1024 * 1024,), float("nan"), device="cuda")
+    del junk
+
+
+def reference_grads(q, k, v, dout, causal, upcast, score_mod, mask_mod):
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out, _ = attention_ref(*leaves, causal, upcast=upcast, score_mod=score_mod, mask_mod=mask_mod)
+    return torch.autograd.grad(out, leaves, dout)
+
+
+def check(run, q, k, v, causal=False, score_mod=None, mask_mod=None):
+    """run(q, k, v) -> (out, lse) with autograd; returns the gradients."""
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out, lse = run(q, k, v)
+    dout = torch.randn_like(out)
+    poison()
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    torch.cuda.synchronize()
+    refs = reference_grads(q, k, v, dout, causal, True, score_mod, mask_mod)
+    pts = reference_grads(q, k, v, dout, causal, False, score_mod, mask_mod)
+    for name, g, ref, pt, like in zip(("dq", "dk", "dv"), got, refs, pts, (q, k, v)):
+        assert g.shape == like.shape and g.dtype == like.dtype, name
+        assert not g.isnan().any(), f"{name} has NaN (unwritten or bad math)"
+        err, err_pt = max_error(g, ref), max_error(pt, ref)
+        assert err <= 2 * err_pt + rounding_allowance(ref) + 1e-4, (name, err, err_pt)
+    empty = ~torch.isfinite(lse).transpose(1, 2)
+    assert torch.all(got[0][empty] == 0), "rows that see no key get dq = 0"
+    return got
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_softcap(head_dim, causal):
+    torch.manual_seed(head_dim)
+    for b, sq, sk, h, hk in SHAPES:
+        q, k, v = rand(b, sq, h, head_dim, scale=3), rand(b, sk, hk, head_dim, scale=3), rand(b, sk, hk, head_dim)
+        check(lambda q, k, v: kernelgen.flash_attn_func(q, k, v, causal=causal, softcap=5.0, return_lse=True),
+              q, k, v, causal, score_mod=lambda s, *_: 5.0 * torch.tanh(s / 5.0))
+
+
+@pytest.mark.parametrize("window", [(16, 0), (64, 64), (-1, 32), (100, -1), (0, 0)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sliding_window(window, causal, head_dim):
+    left, right = window
+    torch.manual_seed(left + 7 * right)
+    for b, sq, sk, h, hk in SHAPES:
+        q, k, v = rand(b, sq, h, head_dim), rand(b, sk, hk, head_dim), rand(b, sk, hk, head_dim)
+
+        def visible(bb, hh, i, j, shift=sk - sq):
+            return (((j >= i + shift - left) | (left < 0)) & ((j <= i + shift + right) | (right < 0)))
+
+        check(lambda q, k, v: kernelgen.flash_attn_func(q, k, v, causal=causal, window_size=window,
+                                                        return_lse=True),
+              q, k, v, causal, mask_mod=visible)
+
+
+@pytest.mark.parametrize("per_batch", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 96, 192])
+def test_alibi(per_batch, head_dim):
+    torch.manual_seed(per_batch + head_dim)
+    for b, sq, sk, h, hk in SHAPES:
+        q, k, v = (rand(b, n, heads, head_dim, dtype=torch.float16) for n, heads in ((sq, h), (sk, hk), (sk, hk)))
+        slopes = torch.rand((b, h) if per_batch else (h,), device="cuda") * 0.5
+        s4 = slopes.view(b if per_batch else 1, h, 1, 1)
+        for causal in (False, True):
+            check(lambda q, k, v: kernelgen.flash_attn_func(q, k, v, causal=causal, alibi_slopes=slopes,
+                                                            return_lse=True),
+                  q, k, v, causal,
+                  score_mod=lambda s, bb, hh, i, j: s - s4 * (i + sk - sq - j).abs().float())
+
+
+def documents(batch, seqlen):
+    docs = torch.zeros(batch, seqlen, dtype=torch.int32, device="cuda")
+    for row in docs:
+        cuts = torch.sort(torch.randperm(seqlen - 1)[:5] + 1).values.tolist()
+        for n, (a, b) in enumerate(zip([0, *cuts], [*cuts, seqlen])):
+            row[a:b] = n
+    return docs
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_document_mask(causal, head_dim):
+    torch.manual_seed(3)
+    batch, seqlen, heads, heads_k = 2, 700, 4, 2
+    kernel = kernelgen.load("flash_attn_document", head_dim=head_dim, dtype="bf16", causal=causal)
+    docs = documents(batch, seqlen)
+    q = rand(batch, seqlen, heads, head_dim)
+    k, v = rand(batch, seqlen, heads_k, head_dim), rand(batch, seqlen, heads_k, head_dim)
+    same = (docs[:, :, None] == docs[:, None, :])[:, None]
+    check(lambda q, k, v: kernel(q, k, v, doc_q=docs, doc_k=docs, return_lse=True),
+          q, k, v, causal, mask_mod=lambda *_: same)
+
+
+def test_tutorial_prefix_lm():
+    kernel = kernelgen.load(str(REPO_ROOT / "examples" / "prefix_lm.yaml"), head_dim=64, dtype="bf16")
+    torch.manual_seed(5)
+    for prefix in (0, 37, 300, 1000):
+        q, k, v = rand(2, 333, 4, 64), rand(2, 333, 2, 64), rand(2, 333, 2, 64)
+        check(lambda q, k, v: kernel(q, k, v, prefix_len=prefix, return_lse=True),
+              q, k, v, mask_mod=lambda bb, hh, i, j: (j <= i) | (j < prefix))
+
+
+def _window(left, right, sq, sk):
+    return lambda b, h, i, j: (j >= i + sk - sq - left) & (j <= i + sk - sq + right)
+
+
+@pytest.mark.parametrize("name, mod_args, mods", [
+    ("flash_attn_window", {"window_left": 50, "window_right": 10},
+     {"mask_mod": _window(50, 10, 400, 333)}),
+    ("flash_attn_softcap", {"softcap": 4.0},
+     {"score_mod": lambda s, *_: 4.0 * torch.tanh(s / 4.0)}),
+])
+def test_deterministic(name, mod_args, mods):
+    """Correct, and bitwise identical on a second run."""
+    kernel = kernelgen.load(name, head_dim=128, dtype="bf16", causal=True)
+    torch.manual_seed(11)
+    q, k, v = rand(2, 400, 8, 128), rand(2, 333, 2, 128), rand(2, 333, 2, 128)
+    run = lambda q, k, v: kernel(q, k, v, deterministic=True, return_lse=True, **mod_args)  # noqa: E731
+    check(run, q, k, v, True, **mods)
+    dout = torch.randn_like(q)
+    runs = []
+    for _ in range(2):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        out, _ = run(*leaves)
+        runs.append(torch.autograd.grad(out, leaves, dout))
+    for label, a, b in zip(("dq", "dk", "dv"), *runs):
+        assert torch.equal(a, b), f"{label} differs between two deterministic runs"
+
+
+def test_a_forward_only_spec_refuses_gradients(tmp_path):
+    path = tmp_path / "my_temperature.yaml"
+    path.write_text(textwrap.dedent("""
+        name: my_temperature
+        extends: flash_attn_fwd
+        mods:
+          args: [{name: temperature, type: f32}]
+          score_mod: "score / temperature"
+        """))
+    kernel = kernelgen.load(str(path), head_dim=64, dtype="bf16")
+    q = rand(1, 64, 2, 64)
+    with torch.no_grad():
+        kernel(q, q, q, temperature=2.0)   # the forward runs
+    with pytest.raises(NotImplementedError, match="my_temperature .* forward-only: .*score_mod_grad"):
+        kernel(q.requires_grad_(), q.detach(), q.detach(), temperature=2.0)
