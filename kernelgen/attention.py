@@ -67,9 +67,15 @@ class AttentionKernel:
         return (out, lse) if return_lse else out
 
     def forward(self, q, k, v, scale: float, values: tuple):
-        """(out, lse) on validated inputs, without autograd; values: the mod arguments in order."""
-        q, k, v = ops._aligned(q), ops._aligned(k), ops._aligned(v)
+        """(out, lse) on validated inputs, without autograd; values: the mod arguments in order.
+        On compute capability 9.0 the mods run on the Hopper family (mods_sm90), unless this
+        kernel was given a config (its keys are the mma.sync family's)."""
         device = q.device.index
+        if self.config is None and ops.forward_family(device) == "sm90":
+            from kernelgen import mods_sm90
+
+            return mods_sm90.forward_sm90(self.spec, q, k, v, self.params, scale, values)
+        q, k, v = ops._aligned(q), ops._aligned(k), ops._aligned(v)
         bound = self.kernel(api.pick_arch(self.spec, device))
         batch, seqlen_q, heads, head_dim = q.shape
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
