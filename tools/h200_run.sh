@@ -18,7 +18,8 @@ for step in $STEPS; do
     fwd80)   KERNELGEN_FORWARD=sm80 gpu_tests tests/test_attention.py tests/test_library.py \
                | tee "$OUT/fwd80.log" | tail -30 ;;
     mods)    gpu_tests tests/test_mods_gpu.py tests/test_mods_sm90_gpu.py tests/test_mods_bwd_gpu.py \
-               tests/test_sm90_gpu.py tests/test_library.py | tee "$OUT/mods.log" | tail -30 ;;
+               tests/test_sm90_gpu.py tests/test_library.py | tee "$OUT/mods.log" | tail -8
+             KERNELGEN_FORWARD=sm80 gpu_tests tests/test_mods_gpu.py | tee "$OUT/mods80.log" | tail -4 ;;
     benchmods) timeout $T python3 -m kernelgen.cli bench --mods --out "$OUT" ${MODS_ARGS} 2>&1 \
                | tee "$OUT/benchmods.log" ;;
     bwd)     gpu_tests tests/test_backward.py tests/test_backward_tune.py tests/test_backward_compile.py | tee "$OUT/bwd.log" | tail -30 ;;
