@@ -216,14 +216,14 @@ def flash_attn_func(q, k, v, causal: bool = False, softmax_scale: float | None =
     aligned bottom-right. Returns out (like q) and, with return_lse, lse (batch, heads, seqlen_q)
     in float32 (natural log). Differentiable in q, k, v (through `out`); `deterministic=True`
     makes the backward bitwise reproducible. Traceable by torch.compile (a torch.library op).
-    Modifiers (differentiable, deterministic= ignored): window_size=(left, right) sliding window (-1: unbounded
+    Modifiers (differentiable too): window_size=(left, right) sliding window (-1: unbounded
     side), softcap=c (c * tanh(s / c) on the scaled scores), alibi_slopes (float32, (heads,) or
     (batch, heads)): one at a time."""
     if tuple(window_size) != (-1, -1) or softcap or alibi_slopes is not None:
         from kernelgen.attention import builtin_forward
 
         return builtin_forward(q, k, v, causal, softmax_scale, return_lse, window_size, softcap,
-                               alibi_slopes)
+                               alibi_slopes, deterministic=bool(deterministic))
     needs_op = torch.compiler.is_compiling() or (
         torch.is_grad_enabled() and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
         and isinstance(v, torch.Tensor) and (q.requires_grad or k.requires_grad or v.requires_grad))
