@@ -23,6 +23,13 @@ def tensor_maps(kernel, q, k, v) -> tuple:
                  for t, rows in ((q, env["block_m"]), (k, env["block_n"]), (v, env["block_n"])))
 
 
+def encode_maps(layouts: tuple, q, k, v) -> tuple:
+    """The 128-byte maps of `tensor_maps`' layouts at q, k and v's addresses (per call: only the
+    address changes, which tma.encode patches in)."""
+    return tuple(m if isinstance(m, bytes) else tma.encode(m, t.data_ptr())
+                 for m, t in zip(layouts, (q, k, v)))
+
+
 def flash_attn_forward_sm90(q, k, v, causal: bool = False, softmax_scale: float | None = None, *,
                             config=None):
     """Exact attention on the Hopper kernels; same contract as `flash_attn_func(..., return_lse=

@@ -143,15 +143,10 @@ class Workload:
         """The tensor maps of a Hopper-family config: their boxes follow its tile shape."""
         if _MAPS[0] not in self.names:
             return {}
-        from kernelgen import tma
+        from kernelgen import hopper
 
-        env = kernel.spec.environment(kernel.variant, kernel.config)
-        dtype = kernel.variant["dtype"]
-        return {name: tma.encode(tma.attention_map(t.shape, t.stride(), dtype, rows, env["swizzle"]),
-                                 t.data_ptr())
-                for name, t, rows in (("tmap_q", self.q, env["block_m"]),
-                                      ("tmap_k", self.k, env["block_n"]),
-                                      ("tmap_v", self.v, env["block_n"]))}
+        layouts = hopper.tensor_maps(kernel, self.q, self.k, self.v)
+        return dict(zip(_MAPS, hopper.encode_maps(layouts, self.q, self.k, self.v)))
 
     def check(self, launch) -> Check:
         self.out.fill_(float("nan"))

@@ -190,10 +190,9 @@ def _launch(plan: _Plan, q, k, v):
         return out, lse
     args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), *plan.scalars)
     if plan.maps:
-        from kernelgen import tma
+        from kernelgen import hopper
 
-        args += tuple(m if isinstance(m, bytes) else tma.encode(m, t.data_ptr())
-                      for m, t in zip(plan.maps, (q, k, v)))
+        args += hopper.encode_maps(plan.maps, q, k, v)
     plan.kernel.launch(args, plan.grid, plan.device, api._current_stream(plan.device))
     return out, lse
 
