@@ -99,11 +99,18 @@ FORCED_FAMILY = os.environ.get("KERNELGEN_FORWARD") or None
 _SM90_ARCH = "sm_90a"
 
 
+_FAMILY_OF_DEVICE: dict[int, str] = {}
+
+
 def forward_family(device: int, family: str | None = None) -> str:
     """The family a forward on `device` runs: `family`, else $KERNELGEN_FORWARD, else by GPU."""
     family = family or FORCED_FAMILY
     if family is None:
-        return "sm90" if torch.cuda.get_device_capability(device) == (9, 0) else "sm80"
+        found = _FAMILY_OF_DEVICE.get(device)
+        if found is None:   # a device's capability does not change: ask torch once
+            found = _FAMILY_OF_DEVICE[device] = (
+                "sm90" if torch.cuda.get_device_capability(device) == (9, 0) else "sm80")
+        return found
     if family not in FAMILIES:
         raise ValueError(f"forward family must be one of {sorted(FAMILIES)} (family= or "
                          f"KERNELGEN_FORWARD), got {family!r}")

@@ -268,6 +268,7 @@ def test_the_forward_family_follows_the_gpu_unless_forced(monkeypatch):
     capabilities = {0: (9, 0), 1: (8, 0), 2: (10, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capabilities[device])
     monkeypatch.setattr(ops, "FORCED_FAMILY", None)
+    monkeypatch.setattr(ops, "_FAMILY_OF_DEVICE", {})
     assert [ops.forward_family(d) for d in (0, 1, 2)] == ["sm90", "sm80", "sm80"]
     assert ops.forward_family(0, "sm80") == "sm80"
     monkeypatch.setattr(ops, "FORCED_FAMILY", "sm80")   # KERNELGEN_FORWARD=sm80
