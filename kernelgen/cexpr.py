@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 
 FUNCTIONS = frozenset({
-    "tanhf", "expf", "exp2f", "logf", "log2f", "log1pf", "sqrtf", "rsqrtf", "powf", "fabsf",
+    "tanhf", "tanh_approx", "expf", "exp2f", "logf", "log2f", "log1pf", "sqrtf", "rsqrtf", "powf", "fabsf",
     "fminf", "fmaxf", "floorf", "ceilf", "sinf", "cosf", "erff", "min", "max", "abs",
 })
 KEYWORDS = frozenset({"true", "false", "float", "int", "unsigned", "bool", "long"})

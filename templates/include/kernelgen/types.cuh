@@ -42,6 +42,14 @@ __device__ __forceinline__ float log2_approx(float x) {
     return y;
 }
 
+// One MUFU.TANH (sm_75+; max relative error 2^-10.99, PTX ISA), for score mods such as softcap:
+// tanhf is the libm sequence (an exp, a reciprocal and a dozen FMAs) on every score.
+__device__ __forceinline__ float tanh_approx(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 

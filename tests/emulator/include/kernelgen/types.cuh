@@ -22,6 +22,7 @@ template <> inline u32 pack2<half_t>(float lo, float hi) {
 }
 
 inline float exp2_approx(float x) { return exp2f(x); }
+inline float tanh_approx(float x) { return tanhf(x); }
 inline float log2_approx(float x) { return log2f(x); }
 
 constexpr float kLog2e = 1.4426950408889634f;
