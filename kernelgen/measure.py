@@ -73,13 +73,7 @@ class Workload:
     def __init__(self, spec, variant, problem: Problem, device: int | str, seed: int = 0):
         # device: a CUDA index; "cpu" serves the CPU tests of the check, with launchers of their own.
         names = tuple(a.name for a in spec.args)
-        known = sorted(_POINTERS + _SCALARS)
-        if (sorted(names) not in (known, sorted(known + list(_MAPS)))
-                or {p.name for p in spec.params} != set(_PARAMS)):
-            raise TuneError(f"kernelgen tune makes inputs for attention specs with the args and "
-                            f"params of flash_attn_fwd ({', '.join(_PARAMS)}; tensor maps "
-                            f"{', '.join(_MAPS)} optional); {spec.name} has "
-                            f"args {list(names)} and params {[p.name for p in spec.params]}")
+        self._check_spec(spec, names)
         if min(problem.as_dict().values()) < 1 or problem.heads % problem.heads_k:
             raise TuneError(f"cannot tune for {problem}: every size must be at least 1 and heads a "
                             "multiple of heads_k")
@@ -107,6 +101,15 @@ class Workload:
             **{name: t.data_ptr() for name, t in tensors.items()}, "lse": self.lse.data_ptr(),
         }
         self.slices = self._reference_slices()
+
+    def _check_spec(self, spec, names: tuple[str, ...]) -> None:
+        known = sorted(_POINTERS + _SCALARS)
+        if (sorted(names) not in (known, sorted(known + list(_MAPS)))
+                or {p.name for p in spec.params} != set(_PARAMS)):
+            raise TuneError(f"kernelgen tune makes inputs for attention specs with the args and "
+                            f"params of flash_attn_fwd ({', '.join(_PARAMS)}; tensor maps "
+                            f"{', '.join(_MAPS)} optional); {spec.name} has "
+                            f"args {list(names)} and params {[p.name for p in spec.params]}")
 
     def _reference_slices(self) -> list[_Slice]:
         batch, seqlen_q = self.q.shape[:2]
