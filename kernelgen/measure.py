@@ -137,7 +137,8 @@ class Workload:
         """fn() that launches `kernel` on these inputs, with everything but the call worked out."""
         values = {**self.values, **self._maps(kernel)}
         values = tuple(values[name] for name in self.names)
-        grid = kernel.grid({**{name: self.values[name] for name in _SCALARS},
+        # Every value a grid may read: the sizes, and a mods spec's scalars (measure_mods.py).
+        grid = kernel.grid({**self.values,
                             "sm_count": api.sm_count(self.device) if self.q.is_cuda else 4})
         stream, device = api._current_stream(self.device), self.device
         return lambda: kernel.launch(values, grid, device, stream)
