@@ -1,0 +1,445 @@
+// FlashAttention backward for Hopper (sm_90a), main kernel: TMA loads, an mbarrier ring, wgmma and
+// warp specialization, following FA3's backward. It computes what flash_bwd_sm80.cuh computes
+// (same BwdArgs; dK, dV per KV tile, dQ added with fp32 atomics into dq_accum, which must not be
+// null here), so the prep kernel and the dQ cast around it stay the same.
+//
+// One CTA owns BLOCK_N = 128 keys of one (kv head, batch). Warpgroup 0 is the producer (after
+// setmaxnreg.dec): thread 0 loads K and V once and then, through a STAGES-deep ring, the Q and dO
+// tiles (BLOCK_M rows) of every (query head of the GQA group, query tile) pair that sees these
+// keys; warp 1 fills the same ring slot with LSE * log2e and D of those rows (plain loads: rows
+// past seqlen_q must read 0, which a 1D bulk copy cannot do). Warpgroups 1 and 2 are consumers
+// (setmaxnreg.inc), 64 keys each, and per pair compute, with the scores transposed (keys as rows):
+//     S^T = K Q^T, dP^T = V dO^T               SS wgmma, both operands K-major
+//     P^T = exp2(S^T * scale * log2e - LSE * log2e),  dS^T = P^T * (dP^T - D)
+//     dV += P^T dO, dK += dS^T Q               RS wgmma: the S^T accumulator layout is the A
+//                                              register layout (wgmma.cuh); dO, Q read MN-major
+//     dQ = dS K                                SS wgmma with A = dS^T from shared memory read
+//                                              transposed (imm-trans-a, 16-bit types only) and
+//                                              B = K MN-major; then red.global.add into dq_accum
+// dQ needs every key's dS, so both consumers write their dS^T rows to shared memory and meet at a
+// named barrier; then warpgroup w computes query rows 64w.. (BLOCK_M 128) or head_dim columns
+// w * HEAD_DIM / 2.. (BLOCK_M 64) of it. dS^T is double-buffered by pair parity: a warpgroup
+// writes buffer it % 2 only after both passed the barrier of pair it - 1, by which time the other
+// had retired its dQ wgmma of pair it - 2, the last reader of that buffer.
+//
+// Ring: full[s] completes on the producer's expect_tx (Q + dO bytes) plus one arrival per lane of
+// the stats warp; empty[s] on one arrival per consumer warp once its wgmmas that read the slot
+// are retired. Pair `it` uses slot it % STAGES with parity (it / STAGES) & 1; the producer waits
+// on empty with the opposite parity, which a fresh barrier already satisfies.
+//
+// Shared memory (1024-aligned): K | V | STAGES x Q | STAGES x dO | 2 x dS^T | STAGES x (LSE, D) |
+// barriers. Q, K, V, dO tiles are 64-column panels of 128B-swizzled rows as TMA writes them (the
+// forward's layout, flash_fwd_sm90.cuh); dS^T is [key][query] in 64-query panels, the same way.
+#pragma once
+#include "kernelgen/flash_bwd_sm80.cuh"  // BwdArgs, red_add_f32x2
+#include "kernelgen/mbarrier.cuh"
+#include "kernelgen/tma.cuh"
+#include "kernelgen/wgmma.cuh"
+
+namespace kg {
+
+// SdpGemm::mma(float (&)[BLOCK_M / 2], u64 desc_a, u64 desc_b, int accumulate),
+// DkvGemm::mma(float (&)[HEAD_DIM / 2], const u32 (&a)[4], u64 desc_b) and
+// DqGemm::mma(float (&)[kDqN / 2], u64 desc_a, u64 desc_b, int accumulate): one k16 step each,
+// rendered by the template for this variant's N.
+template <class Elem_, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool CAUSAL,
+          class SdpGemm_, class DkvGemm_, class DqGemm_>
+struct BwdSm90Config {
+    using Elem = Elem_;
+    using SdpGemm = SdpGemm_;
+    using DkvGemm = DkvGemm_;
+    using DqGemm = DqGemm_;
+    static constexpr int kHeadDim = HEAD_DIM, kBlockM = BLOCK_M, kBlockN = BLOCK_N;
+    static constexpr int kStages = STAGES;
+    static constexpr bool kCausal = CAUSAL;
+    static constexpr int kConsumers = BLOCK_N / 64;          // one warpgroup per 64 keys
+    static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
+    static constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // FA3's backward budgets
+    static constexpr int kSwizzle = 128, kPanel = 64;        // bytes per panel row, columns per panel
+    static constexpr int kStepsPerPanel = kPanel / 16;       // k16 steps inside a panel
+    // dQ split between the consumers: by 64 query rows each, or by halves of head_dim.
+    static constexpr bool kDqSplitRows = BLOCK_M == 128;
+    static constexpr int kDqN = kDqSplitRows ? HEAD_DIM : HEAD_DIM / 2;
+    static constexpr u32 kTileKV = BLOCK_N * HEAD_DIM * 2, kTileQ = BLOCK_M * HEAD_DIM * 2;
+    static constexpr u32 kTileDs = BLOCK_N * BLOCK_M * 2;
+    static constexpr u32 kOffK = 0, kOffV = kTileKV, kOffQ = 2 * kTileKV;
+    static constexpr u32 kOffDo = kOffQ + STAGES * kTileQ, kOffDs = kOffDo + STAGES * kTileQ;
+    static constexpr u32 kOffStats = kOffDs + 2 * kTileDs;   // [STAGES][LSE * log2e, D][BLOCK_M]
+    static constexpr u32 kOffBarriers = kOffStats + STAGES * 2 * BLOCK_M * 4;
+    static constexpr int kBarriers = 2 * STAGES + 1;          // full[], empty[], full_kv
+    static constexpr u32 kSmemBytes = 1024 + kOffBarriers + 8 * kBarriers;  // + 1024: realignment
+    static constexpr int kStatsArrivals = 32;                 // the stats warp's lanes
+
+    static_assert(BLOCK_N == 128, "two consumer warpgroups of 64 keys");
+    static_assert(BLOCK_M == 64 || BLOCK_M == 128, "whole 64-query panels of dS^T");
+    static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "whole 128B panels; wgmma N <= 256");
+    static_assert(kDqSplitRows || kDqN % kPanel == 0, "each half of dQ starts on a panel of K");
+    static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "register file");
+    static_assert(STAGES >= 2, "a ring of one stage cannot overlap loads with math");
+};
+
+template <class C>
+struct BwdSm90Barriers {
+    u32 base;
+    __device__ __forceinline__ u32 full(int s) const { return base + 8 * s; }
+    __device__ __forceinline__ u32 empty(int s) const { return base + 8 * (C::kStages + s); }
+    __device__ __forceinline__ u32 full_kv() const { return base + 8 * (2 * C::kStages); }
+};
+
+// The CTA's KV tile and the (query head, query tile) pairs it visits, head-major: the one place
+// they are decided, so the producer's loads and the consumers' steps agree. Causal (bottom-right:
+// query i sees keys <= i + shift) skips the query tiles above the diagonal, as flash_bwd_sm80.cuh.
+struct BwdWork {
+    int kv_head, batch, kv0, group, m_first, per_head, n_iter;
+    __device__ __forceinline__ int head(int it) const { return kv_head * group + it / per_head; }
+    __device__ __forceinline__ int m0(int it, int block_m) const {
+        return (m_first + it % per_head) * block_m;
+    }
+};
+
+template <class C>
+__device__ __forceinline__ BwdWork bwd_work(const BwdArgs<typename C::Elem>& a) {
+    // Causal grids put the KV tile slowest (the spec's launch: longest first).
+    const int n_block = C::kCausal ? blockIdx.z : blockIdx.x;
+    const int kv_head = C::kCausal ? blockIdx.x : blockIdx.y;
+    const int batch = C::kCausal ? blockIdx.y : blockIdx.z;
+    const int kv0 = n_block * C::kBlockN, group = a.heads / a.heads_k;
+    const int m_tiles = cdiv(a.seqlen_q, C::kBlockM);
+    int m_first = 0;
+    if constexpr (C::kCausal) m_first = min(max(kv0 - (a.seqlen_k - a.seqlen_q), 0) / C::kBlockM, m_tiles);
+    const int per_head = m_tiles - m_first;
+    return BwdWork{kv_head, batch, kv0, group, m_first, per_head, per_head * group};
+}
+
+// ---- the producer warpgroup -----------------------------------------------------------------
+
+// Thread 0: K and V once, then Q and dO of every pair through the ring.
+template <class C>
+__device__ __forceinline__ void bwd_produce_tiles(u32 base, BwdSm90Barriers<C> bar,
+                                                  const TensorMap& map_q, const TensorMap& map_k,
+                                                  const TensorMap& map_v, const TensorMap& map_do,
+                                                  const BwdWork& w) {
+    tma_prefetch(map_q);
+    tma_prefetch(map_k);
+    tma_prefetch(map_v);
+    tma_prefetch(map_do);
+    mbarrier_arrive_expect_tx(bar.full_kv(), 2 * C::kTileKV);
+    tma_load_5d(base + C::kOffK, map_k, bar.full_kv(), 0, w.kv0, 0, w.kv_head, w.batch, kEvictFirst);
+    tma_load_5d(base + C::kOffV, map_v, bar.full_kv(), 0, w.kv0, 0, w.kv_head, w.batch, kEvictFirst);
+    for (int it = 0; it < w.n_iter; ++it) {
+        const int s = it % C::kStages, head = w.head(it), m0 = w.m0(it, C::kBlockM);
+        mbarrier_wait(bar.empty(s), (u32(it / C::kStages) & 1) ^ 1);
+        mbarrier_arrive_expect_tx(bar.full(s), 2 * C::kTileQ);
+        // Q and dO are read again by the CTAs of the other KV tiles of this head.
+        tma_load_5d(base + C::kOffQ + s * C::kTileQ, map_q, bar.full(s), 0, m0, 0, head, w.batch,
+                    kEvictLast);
+        tma_load_5d(base + C::kOffDo + s * C::kTileQ, map_do, bar.full(s), 0, m0, 0, head, w.batch,
+                    kEvictLast);
+    }
+}
+
+// Warp 1 (`lane` 0..31): LSE * log2e and D of every pair's rows into its slot; rows past seqlen_q
+// get 0, so their P and dS stay finite (they meet zero rows of Q and dO and are never stored).
+template <class C>
+__device__ __forceinline__ void bwd_produce_stats(const BwdArgs<typename C::Elem>& a,
+                                                  unsigned char* tiles, BwdSm90Barriers<C> bar,
+                                                  const BwdWork& w, int lane) {
+    for (int it = 0; it < w.n_iter; ++it) {
+        const int s = it % C::kStages, m0 = w.m0(it, C::kBlockM);
+        const i64 row0 = (i64(w.batch) * a.heads + w.head(it)) * a.seqlen_q + m0;
+        float* stats = reinterpret_cast<float*>(tiles + C::kOffStats) + s * 2 * C::kBlockM;
+        mbarrier_wait(bar.empty(s), (u32(it / C::kStages) & 1) ^ 1);
+        #pragma unroll
+        for (int r = lane; r < C::kBlockM; r += 32) {
+            const bool inside = m0 + r < a.seqlen_q;
+            stats[r] = inside ? a.lse[row0 + r] * kLog2e : 0.f;
+            stats[C::kBlockM + r] = inside ? a.dsum[row0 + r] : 0.f;
+        }
+        mbarrier_arrive(bar.full(s));
+    }
+}
+
+// ---- the steps of one consumer warpgroup ----------------------------------------------------
+
+// S^T = K Q^T (or dP^T = V dO^T) of one pair, one wgmma group of head_dim / 16 k-steps; desc_a
+// names the warpgroup's 64 rows of K (V), desc_b the slot's Q (dO) tile.
+template <class C>
+__device__ __forceinline__ void issue_sdp(float (&acc)[C::kBlockM / 2], u64 desc_a, u64 desc_b) {
+    #pragma unroll
+    for (int kk = 0; kk < C::kHeadDim / 16; ++kk) {
+        const int panel = kk / C::kStepsPerPanel, step = kk % C::kStepsPerPanel;
+        C::SdpGemm::mma(acc, desc_a + ((panel * C::kBlockN * C::kSwizzle + step * 32) >> 4),
+                        desc_b + ((panel * C::kBlockM * C::kSwizzle + step * 32) >> 4), kk > 0);
+    }
+    wgmma_commit();
+}
+
+// dV += P^T dO (or dK += dS^T Q), one wgmma group of BLOCK_M / 16 k-steps of 16 query rows; the
+// A fragments are read from registers while it runs and must not change until it is retired.
+template <class C>
+__device__ __forceinline__ void issue_dkv(float (&acc)[C::kHeadDim / 2],
+                                          const u32 (&a)[C::kBlockM / 16][4], u64 desc_b) {
+    #pragma unroll
+    for (int kk = 0; kk < C::kBlockM / 16; ++kk)
+        C::DkvGemm::mma(acc, a[kk], desc_b + ((kk * 16 * C::kSwizzle) >> 4));
+    wgmma_commit();
+}
+
+// dQ (this warpgroup's part) = dS K over the tile's keys, one group of BLOCK_N / 16 k-steps.
+template <class C>
+__device__ __forceinline__ void issue_dq(float (&acc)[C::kDqN / 2], u64 desc_ds, u64 desc_k) {
+    #pragma unroll
+    for (int kk = 0; kk < C::kBlockN / 16; ++kk)
+        C::DqGemm::mma(acc, desc_ds + ((kk * 16 * C::kSwizzle) >> 4),
+                       desc_k + ((kk * 16 * C::kSwizzle) >> 4), kk > 0);
+    wgmma_commit();
+}
+
+// fp32 accumulators (m64 C layout) -> 16-bit pairs in the register A layout of k-step i / 2.
+template <int N>
+struct Packed {
+    u32 r[N / 16][4];
+};
+
+template <class Elem, int N>
+__device__ __forceinline__ void pack_a(Packed<N>& out, const float (&acc)[N / 2]) {
+    #pragma unroll
+    for (int i = 0; i < N / 8; ++i)
+        #pragma unroll
+        for (int h = 0; h < 2; ++h)
+            out.r[i / 2][(i % 2) * 2 + h] = pack2<Elem>(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]);
+}
+
+template <int N>
+__device__ __forceinline__ void fence_packed(Packed<N>& p) {
+    #pragma unroll
+    for (int kk = 0; kk < N / 16; ++kk) fence_operands(p.r[kk]);
+}
+
+// Byte offset of element (row, col) of a tile of `rows` rows stored as 64-column panels.
+template <class C>
+__device__ __forceinline__ u32 panel_offset_bwd(int rows, int row, int col) {
+    return (col / C::kPanel) * rows * C::kSwizzle +
+           swizzle<C::kSwizzle>(row * C::kSwizzle + (col % C::kPanel) * 2);
+}
+
+// One consumer warpgroup: keys kv0 + 64 * wg .. + 63 of the CTA's tile.
+template <class C>
+__device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, unsigned char* tiles,
+                                            u32 base, BwdSm90Barriers<C> bar, const BwdWork& w,
+                                            int wg) {
+    using Elem = typename C::Elem;
+    constexpr int kSw = C::kSwizzle;
+    constexpr int kAccS = C::kBlockM / 2, kAccD = C::kHeadDim / 2, kAccQ = C::kDqN / 2;
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const int shift = a.seqlen_k - a.seqlen_q;  // causal: query i sees keys <= i + shift
+    // This thread's accumulator elements (wgmma.cuh): rows (keys, in the tile) lane_key and
+    // lane_key + 8, columns (queries, in the query tile) lane_col + 8 * i + {0, 1}.
+    const int lane_key = 64 * wg + 16 * warp + lane / 4, lane_col = 2 * (lane % 4);
+    const float scale_log2 = a.softmax_scale * kLog2e;
+
+    // Descriptors of each operand's first k16 step; slots and steps add their byte offset >> 4.
+    const u64 desc_k = desc_k_major<kSw>(base + C::kOffK + 64 * wg * kSw);
+    const u64 desc_v = desc_k_major<kSw>(base + C::kOffV + 64 * wg * kSw);
+    const u64 desc_q = desc_k_major<kSw>(base + C::kOffQ);
+    const u64 desc_do = desc_k_major<kSw>(base + C::kOffDo);
+    const u64 desc_q_mn = desc_mn_major<kSw>(base + C::kOffQ, C::kBlockM * kSw);
+    const u64 desc_do_mn = desc_mn_major<kSw>(base + C::kOffDo, C::kBlockM * kSw);
+    // dQ: this warpgroup's 64 query columns of dS^T (a panel) and head_dim columns of K.
+    const int dq_row0 = C::kDqSplitRows ? 64 * wg : 0;
+    const int dq_col0 = C::kDqSplitRows ? 0 : wg * C::kDqN;
+    const u64 desc_ds = desc_mn_major<kSw>(base + C::kOffDs + (dq_row0 / C::kPanel) * C::kBlockN * kSw,
+                                           C::kBlockN * kSw);
+    const u64 desc_k_mn = desc_mn_major<kSw>(
+        base + C::kOffK + (dq_col0 / C::kPanel) * C::kBlockN * kSw, C::kBlockN * kSw);
+    const float* stats_all = reinterpret_cast<const float*>(tiles + C::kOffStats);
+
+    float acc_dk[kAccD], acc_dv[kAccD], acc_s[kAccS], acc_dp[kAccS], acc_dq[kAccQ];
+    #pragma unroll
+    for (int i = 0; i < kAccD; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+    Packed<C::kBlockM> p16, ds16;
+
+    mbarrier_wait(bar.full_kv(), 0);
+    for (int it = 0; it < w.n_iter; ++it) {
+        const int s = it % C::kStages, head = w.head(it), m0 = w.m0(it, C::kBlockM);
+        const u64 slot = (s * C::kTileQ) >> 4;
+        const float* lse2 = stats_all + s * 2 * C::kBlockM;
+        const float* dsum = lse2 + C::kBlockM;
+        mbarrier_wait(bar.full(s), u32(it / C::kStages) & 1);
+
+        fence_operands(acc_s);
+        fence_operands(acc_dp);
+        wgmma_fence();
+        issue_sdp<C>(acc_s, desc_k, desc_q + slot);
+        issue_sdp<C>(acc_dp, desc_v, desc_do + slot);
+
+        // P^T in place of S^T. Keys past seqlen_k and, causal, keys past a query's diagonal get
+        // 0; that also covers queries that see no key (LSE = -inf, P = inf before the select),
+        // which only occur in tiles that straddle the diagonal. Only those tiles pay.
+        wgmma_wait<1>();
+        fence_operands(acc_s);
+        #pragma unroll
+        for (int i = 0; i < C::kBlockM / 8; ++i) {
+            const float2 l = *reinterpret_cast<const float2*>(lse2 + lane_col + 8 * i);
+            #pragma unroll
+            for (int e = 0; e < 4; ++e)
+                acc_s[4 * i + e] = exp2_approx(fmaf(acc_s[4 * i + e], scale_log2, -(e & 1 ? l.y : l.x)));
+        }
+        const int key0 = w.kv0 + lane_key, query0 = m0 + lane_col;
+        bool need_mask = w.kv0 + 64 * wg + 64 > a.seqlen_k;
+        if constexpr (C::kCausal) need_mask |= w.kv0 + 64 * wg + 63 > m0 + shift;
+        if (need_mask) {
+            #pragma unroll
+            for (int i = 0; i < C::kBlockM / 8; ++i)
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = key0 + 8 * (e / 2), query = query0 + 8 * i + (e & 1);
+                    bool masked = key >= a.seqlen_k;
+                    if constexpr (C::kCausal) masked |= key > query + shift;
+                    if (masked) acc_s[4 * i + e] = 0.f;
+                }
+        }
+        pack_a<Elem>(p16, acc_s);
+
+        // dV += P^T dO runs while dS^T is computed.
+        fence_operands(acc_dv);
+        fence_packed(p16);
+        wgmma_fence();
+        issue_dkv<C>(acc_dv, p16.r, desc_do_mn + slot);
+        wgmma_wait<1>();  // dP^T is done; dV may still run
+        fence_operands(acc_dp);
+        #pragma unroll
+        for (int i = 0; i < C::kBlockM / 8; ++i) {
+            const float2 d = *reinterpret_cast<const float2*>(dsum + lane_col + 8 * i);
+            #pragma unroll
+            for (int e = 0; e < 4; ++e)
+                acc_dp[4 * i + e] = acc_s[4 * i + e] * (acc_dp[4 * i + e] - (e & 1 ? d.y : d.x));
+        }
+        pack_a<Elem>(ds16, acc_dp);
+
+        // dS^T to this pair's buffer (for dQ), visible to the async proxy before the barrier.
+        unsigned char* ds_tile = tiles + C::kOffDs + (it % 2) * C::kTileDs;
+        #pragma unroll
+        for (int i = 0; i < C::kBlockM / 8; ++i)
+            #pragma unroll
+            for (int h = 0; h < 2; ++h)
+                *reinterpret_cast<u32*>(ds_tile + panel_offset_bwd<C>(C::kBlockN, lane_key + 8 * h,
+                                                                      lane_col + 8 * i)) =
+                    ds16.r[i / 2][(i % 2) * 2 + h];
+        fence_proxy_async_shared();
+
+        fence_operands(acc_dk);
+        fence_packed(ds16);
+        wgmma_fence();
+        issue_dkv<C>(acc_dk, ds16.r, desc_q_mn + slot);
+
+        named_barrier_sync(1, 256);  // both warpgroups' dS^T rows are written
+        fence_operands(acc_dq);
+        wgmma_fence();
+        issue_dq<C>(acc_dq, desc_ds + (((it % 2) * C::kTileDs) >> 4), desc_k_mn);
+        wgmma_wait<0>();
+        fence_operands(acc_dv);
+        fence_operands(acc_dk);
+        fence_operands(acc_dq);
+        __syncwarp();  // every lane's reads of the slot's LSE and D are done
+        if (lane == 0) mbarrier_arrive(bar.empty(s));
+
+        // dq_accum[query, head, :] += scale * dQ, rows past seqlen_q skipped.
+        const i64 row_stride = i64(a.heads) * C::kHeadDim;
+        const int q_row = m0 + dq_row0 + 16 * warp + lane / 4;
+        float* dq = a.dq_accum + (i64(w.batch) * a.seqlen_q + q_row) * row_stride +
+                    head * C::kHeadDim + dq_col0 + lane_col;
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if (q_row + 8 * h >= a.seqlen_q) continue;
+            #pragma unroll
+            for (int i = 0; i < C::kDqN / 8; ++i)
+                red_add_f32x2(dq + 8 * h * row_stride + 8 * i, acc_dq[4 * i + 2 * h] * a.softmax_scale,
+                              acc_dq[4 * i + 2 * h + 1] * a.softmax_scale);
+        }
+    }
+
+    // Epilogue: dK * scale and dV to 16 bits, staged in this warp's own rows of the K and V tiles
+    // (once both warpgroups are past their last dQ, which read all of K), then 16-byte stores.
+    named_barrier_sync(2, 256);
+    #pragma unroll
+    for (int i = 0; i < C::kHeadDim / 8; ++i)
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const u32 at = panel_offset_bwd<C>(C::kBlockN, lane_key + 8 * h, lane_col + 8 * i);
+            *reinterpret_cast<u32*>(tiles + C::kOffK + at) =
+                pack2<Elem>(acc_dk[4 * i + 2 * h] * a.softmax_scale,
+                            acc_dk[4 * i + 2 * h + 1] * a.softmax_scale);
+            *reinterpret_cast<u32*>(tiles + C::kOffV + at) =
+                pack2<Elem>(acc_dv[4 * i + 2 * h], acc_dv[4 * i + 2 * h + 1]);
+        }
+    __syncwarp();
+    const int kv_rows = a.seqlen_k - w.kv0;
+    Elem* dk = a.dk + w.batch * a.dk_stride_b + w.kv_head * a.dk_stride_h + w.kv0 * a.dk_stride_s;
+    Elem* dv = a.dv + w.batch * a.dv_stride_b + w.kv_head * a.dv_stride_h + w.kv0 * a.dv_stride_s;
+    constexpr int kChunks = C::kHeadDim / 8;  // 16-byte chunks per row
+    #pragma unroll
+    for (int idx = lane; idx < 16 * kChunks; idx += 32) {
+        const int r = 64 * wg + 16 * warp + idx / kChunks, c = (idx % kChunks) * 8;
+        if (r < kv_rows) {
+            const u32 at = panel_offset_bwd<C>(C::kBlockN, r, c);
+            *reinterpret_cast<uint4*>(dk + r * a.dk_stride_s + c) =
+                *reinterpret_cast<const uint4*>(tiles + C::kOffK + at);
+            *reinterpret_cast<uint4*>(dv + r * a.dv_stride_s + c) =
+                *reinterpret_cast<const uint4*>(tiles + C::kOffV + at);
+        }
+    }
+}
+
+// A KV tile no query sees (causal, seqlen_q < seqlen_k): dK = dV = 0.
+template <class C>
+__device__ __forceinline__ void write_empty_kv_tile(const BwdArgs<typename C::Elem>& a,
+                                                    const BwdWork& w) {
+    using Elem = typename C::Elem;
+    const int rows = min(a.seqlen_k - w.kv0, C::kBlockN);
+    Elem* dk = a.dk + w.batch * a.dk_stride_b + w.kv_head * a.dk_stride_h + w.kv0 * a.dk_stride_s;
+    Elem* dv = a.dv + w.batch * a.dv_stride_b + w.kv_head * a.dv_stride_h + w.kv0 * a.dv_stride_s;
+    for (int i = threadIdx.x; i < rows * C::kHeadDim; i += C::kThreads) {
+        dk[(i / C::kHeadDim) * a.dk_stride_s + i % C::kHeadDim] = Elem{0};
+        dv[(i / C::kHeadDim) * a.dv_stride_s + i % C::kHeadDim] = Elem{0};
+    }
+}
+
+template <class C>
+__device__ __forceinline__ void flash_bwd_sm90(const BwdArgs<typename C::Elem>& a,
+                                               const TensorMap& map_q, const TensorMap& map_k,
+                                               const TensorMap& map_v, const TensorMap& map_do) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const BwdWork w = bwd_work<C>(a);
+    if (w.n_iter == 0) {  // no barriers, no loads
+        write_empty_kv_tile<C>(a, w);
+        return;
+    }
+
+    // Swizzled tiles need 1024-byte alignment; the dynamic smem base is only guaranteed 16.
+    const u32 raw = smem_addr(smem), base = (raw + 1023) & ~1023u;
+    unsigned char* tiles = smem + (base - raw);
+    const BwdSm90Barriers<C> bar{base + C::kOffBarriers};
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < C::kStages; ++s) {
+            mbarrier_init(bar.full(s), 1 + C::kStatsArrivals);
+            mbarrier_init(bar.empty(s), 4 * C::kConsumers);  // one arrival per consumer warp
+        }
+        mbarrier_init(bar.full_kv(), 1);
+        mbarrier_fence_init();
+    }
+    __syncthreads();  // the last CTA-wide barrier: the producer's idle warps exit below
+
+    if (threadIdx.x < 128) {
+        setmaxnreg_dec<C::kProducerRegs>();
+        if (threadIdx.x == 0)
+            bwd_produce_tiles<C>(base, bar, map_q, map_k, map_v, map_do, w);
+        else if (threadIdx.x / 32 == 1)
+            bwd_produce_stats<C>(a, tiles, bar, w, threadIdx.x % 32);
+        return;
+    }
+    setmaxnreg_inc<C::kConsumerRegs>();
+    bwd_consume<C>(a, tiles, base, bar, w, int(threadIdx.x / 128) - 1);
+}
+
+}  // namespace kg
