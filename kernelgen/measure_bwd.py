@@ -64,10 +64,7 @@ class Workload:
     float32 reference instead of kernelgen's forward, which needs a GPU)."""
 
     def __init__(self, spec, variant, problem: Problem, device: int | str, seed: int = 0):
-        if not feeds(spec):
-            raise TuneError(f"kernelgen tune makes backward inputs for specs with the args and "
-                            f"params of {backward.MAIN_SPEC}; {spec.name} has args "
-                            f"{[a.name for a in spec.args]} and params {[p.name for p in spec.params]}")
+        self._check_spec(spec)
         if min(problem.as_dict().values()) < 1 or problem.heads % problem.heads_k:
             raise TuneError(f"cannot tune for {problem}: every size must be at least 1 and heads a "
                             "multiple of heads_k")
@@ -87,6 +84,12 @@ class Workload:
         self.buffers = backward._buffers(self.q, self.k, deterministic=False)
         self.slices = [self._reference(b, h) for b, h in
                        sorted({(0, 0), (problem.batch - 1, problem.heads_k - 1)})]
+
+    def _check_spec(self, spec) -> None:
+        if not feeds(spec):
+            raise TuneError(f"kernelgen tune makes backward inputs for specs with the args and "
+                            f"params of {backward.MAIN_SPEC}; {spec.name} has args "
+                            f"{[a.name for a in spec.args]} and params {[p.name for p in spec.params]}")
 
     def _reference(self, b: int, kv_head: int) -> _Slice:
         group = self.q.shape[2] // self.k.shape[2]

@@ -108,12 +108,14 @@ class TuneResult:
 
 def tune(spec, problem: Problem, *, variant: Variant | None = None, arch: str | None = None,
          device: int | None = None, jobs: int | None = None, rep_ms: float = 50.0,
-         save: bool = True, progress: bool = False, **params) -> TuneResult:
+         save: bool = True, progress: bool = False, mod_values: dict | None = None,
+         **params) -> TuneResult:
     """Tune one variant of `spec` (a name, a path or a KernelSpec) for `problem` on a GPU.
 
     The variant is `variant`, or built from `params` (missing ones take their defaults) on `arch`
     (default: the device's). Every trial is recorded in the tuning DB unless save=False, and the
-    winner answers lookup() for the problem's bucket from then on.
+    winner answers lookup() for the problem's bucket from then on. A spec with mods tunes on the
+    values of its mod arguments, `mod_values` by name (measure_mods.py).
     """
     import torch
 
@@ -132,7 +134,8 @@ def tune(spec, problem: Problem, *, variant: Variant | None = None, arch: str | 
     configs, rejected = prune(spec, variant, limits)
     with torch.cuda.device(device):
         workload_class, candidate_class = _measurers(spec)
-        workload = workload_class(spec, variant, problem, device)
+        extra = {} if mod_values is None else {"mod_values": mod_values}
+        workload = workload_class(spec, variant, problem, device, **extra)
         candidates = [candidate_class(workload, spec, variant, c, rep_ms) for c in configs]
         with _progress(progress, len(candidates), variant) as on_trial, \
                 ThreadPoolExecutor(max_workers=jobs or _default_jobs(len(candidates))) as pool:
@@ -151,9 +154,12 @@ def tune(spec, problem: Problem, *, variant: Variant | None = None, arch: str | 
 
 def _measurers(spec: KernelSpec):
     """(workload class, candidate class) for `spec`: the backward's main kernel has inputs and a
-    check of its own (measure_bwd.py); measure.py's serve the forward and refuse the rest."""
-    from kernelgen import measure, measure_bwd
+    check of its own (measure_bwd.py), so do specs with mods (measure_mods.py); measure.py's
+    serve the forward and refuse the rest."""
+    from kernelgen import measure, measure_bwd, measure_mods
 
+    if measure_mods.feeds(spec):
+        return measure_mods.measurers(spec)
     if measure_bwd.feeds(spec):
         return measure_bwd.Workload, measure_bwd.Candidate
     return measure.Workload, measure.AttentionCandidate

@@ -5,6 +5,9 @@
     kernelgen tune --preset fwd-sm90-grid ...   (the Hopper family, on an sm_90 GPU)
     kernelgen tune --preset bwd-grid ...        (the backward's main kernel, flash_attn_bwd)
     kernelgen tune --export FILE          (also after a tuning run: the DB in the shipped format)
+    kernelgen tune flash_attn_softcap --arg softcap=30 [--onto flash_attn_fwd_sm90] --shape ...
+                                          (a mods spec: its scalar arguments' values, and the base
+                                           its mods run on: the Hopper forward, the backward)
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ class Job:
     spec: str
     params: tuple[tuple[str, object], ...]
     problem: Problem
+    onto: str | None = None                            # load_spec(spec, onto=): a mods spec's base
+    mod_values: tuple[tuple[str, object], ...] = ()    # a mods spec's scalar arguments
 
 
 def fwd_grid(head_dims=(64, 128, 256), seqlens=GRID_SEQLENS, causals=(False, True),
@@ -84,7 +89,8 @@ def _flops(result: TuneResult) -> float | None:
     from kernelgen.bench import attention_flops
 
     p = result.problem
-    return FLOPS_PER_FORWARD.get(result.spec, 1.0) * attention_flops(
+    base = result.spec.rpartition("__")[2]   # a mods spec put onto a base counts like the base
+    return FLOPS_PER_FORWARD.get(base, 1.0) * attention_flops(
         p.batch, p.heads, p.seqlen_q, p.seqlen_k, params["head_dim"], bool(params.get("causal", False)))
 
 
@@ -143,6 +149,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rep-ms", type=float, default=50.0, help="timing per round and config")
     parser.add_argument("--top", type=int, default=0, metavar="N", help="show the N fastest only")
     parser.add_argument("--no-save", action="store_true", help="do not record in the tuning DB")
+    parser.add_argument("--onto", choices=["flash_attn_fwd_sm90", "flash_attn_bwd"],
+                        help="tune a mods spec put onto this base (the Hopper forward, the backward)")
+    parser.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE",
+                        help="a mods spec's scalar argument (tensors: tune from Python)")
     parser.add_argument("--export", metavar="FILE",
                         help="write the DB's tuned configs in the shipped-defaults format")
     return parser
@@ -150,8 +160,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _jobs(opts) -> list[Job]:
     if opts.preset:
-        if opts.set or opts.shape:
-            raise TuneError("--preset takes no --set or --shape")
+        if opts.set or opts.shape or opts.arg or opts.onto:
+            raise TuneError("--preset takes no --set, --shape, --arg or --onto")
         causals = {"both": (False, True), "true": (True,), "false": (False,)}[opts.causal]
         return PRESETS[opts.preset](**{k: v for k, v in (("head_dims", opts.head_dims),
                                                           ("seqlens", opts.seqlens)) if v},
@@ -160,11 +170,35 @@ def _jobs(opts) -> list[Job]:
         raise TuneError("--head-dims, --seqlens and --causal go with --preset; use --set and --shape")
     if not opts.shape:
         raise TuneError("give at least one --shape, e.g. --shape batch=4,seqlen=8192,heads=16")
-    spec = load_spec(opts.spec)
+    spec = load_spec(opts.spec, onto=opts.onto)
     params = tuple((name, _param_value(spec, name, text))
                    for name, text in _assignments(opts.set, "--set").items())
     spec.variant(opts.arch, **dict(params))   # a bad param is an error now, not after a GPU check
-    return [Job(opts.spec, params, parse_shape(text)) for text in opts.shape]
+    mod_values = _mod_values(spec, _assignments(opts.arg, "--arg"))
+    return [Job(opts.spec, params, parse_shape(text), opts.onto, mod_values) for text in opts.shape]
+
+
+def _mod_values(spec, given: dict[str, str]) -> tuple[tuple[str, object], ...]:
+    """--arg values by the type the spec declares; tensors cannot come from a command line."""
+    args = {a.name: a for a in spec.mods.args}
+    values = []
+    for name, text in given.items():
+        arg = args.get(name)
+        if arg is None:
+            raise TuneError(f"--arg {name}: {spec.name} has no mod argument {name!r}; it has "
+                            f"{sorted(args)}")
+        if arg.type == "ptr":
+            raise TuneError(f"--arg {name}: a tensor ({arg.ctype}); tune from Python with the "
+                            "tensors it will run on: kernelgen.load(...).tune(q, k, v, **mod_args)")
+        try:
+            values.append((name, float(text) if arg.type == "f32" else int(text)))
+        except ValueError:
+            raise TuneError(f"--arg {name}={text!r}: not a number of type {arg.type}") from None
+    missing = [name for name in args if name not in given]
+    if missing:
+        raise TuneError(f"{spec.name} tunes on its mod arguments' values: give --arg "
+                        + " ".join(f"{name}=..." for name in missing))
+    return tuple(values)
 
 
 def main(argv: list[str]) -> int:
@@ -192,9 +226,11 @@ def _run(opts) -> int:
     results = []
     for number, job in enumerate(jobs, 1):
         print(f"[{number}/{len(jobs)}] tuning {job.spec} {dict(job.params)} {job.problem}", flush=True)
-        result = tuning.tune(job.spec, job.problem, arch=opts.arch, jobs=opts.jobs,
+        spec = load_spec(job.spec, onto=job.onto) if job.onto else job.spec
+        extra = {"mod_values": dict(job.mod_values)} if job.mod_values else {}
+        result = tuning.tune(spec, job.problem, arch=opts.arch, jobs=opts.jobs,
                              rep_ms=opts.rep_ms, save=not opts.no_save, progress=True,
-                             **dict(job.params))
+                             **extra, **dict(job.params))
         print(format_table(result, opts.top), flush=True)
         results.append(result)
     if len(results) > 1:

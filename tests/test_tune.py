@@ -545,7 +545,7 @@ def test_parse_shape_errors(text, message):
     (["tune"], "give a SPEC with --shape, --preset NAME, or --export FILE"),
     (["tune", "flash_attn_fwd"], "give at least one --shape"),
     (["tune", "flash_attn_fwd", "--preset", "fwd-grid"], "not both"),
-    (["tune", "--preset", "fwd-grid", "--shape", "batch=1,seqlen=1,heads=1"], "takes no --set or --shape"),
+    (["tune", "--preset", "fwd-grid", "--shape", "batch=1,seqlen=1,heads=1"], "takes no --set, --shape"),
     (["tune", "flash_attn_fwd", "--seqlens", "512", "--shape", "batch=1,seqlen=1,heads=1"],
      "go with --preset"),
 ])
