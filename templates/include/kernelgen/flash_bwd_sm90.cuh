@@ -17,10 +17,11 @@
 //                                              transposed (imm-trans-a, 16-bit types only) and
 //                                              B = K MN-major; then red.global.add into dq_accum
 // dQ needs every key's dS, so both consumers write their dS^T rows to shared memory and meet at a
-// named barrier; then warpgroup w computes query rows 64w.. (BLOCK_M 128) or head_dim columns
-// w * HEAD_DIM / 2.. (BLOCK_M 64) of it. dS^T is double-buffered by pair parity: a warpgroup
-// writes buffer it % 2 only after both passed the barrier of pair it - 1, by which time the other
-// had retired its dQ wgmma of pair it - 2, the last reader of that buffer.
+// named barrier; then warpgroup w computes head_dim columns w * HEAD_DIM / 2.. of it (head_dim
+// 128), or all of it for the pairs it with it % 2 == w (head_dim 64: half of 64 columns is not a
+// whole 128B panel of K). dS^T is double-buffered by pair parity: a warpgroup writes buffer
+// it % 2 only after both passed the barrier of pair it - 1, by which time each had retired its
+// dQ wgmma of pair it - 2, the last reader of that buffer.
 //
 // Ring: full[s] completes on the producer's expect_tx (Q + dO bytes) plus one arrival per lane of
 // the stats warp; empty[s] on one arrival per consumer warp once its wgmmas that read the slot
@@ -57,9 +58,10 @@ struct BwdSm90Config {
     static constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // FA3's backward budgets
     static constexpr int kSwizzle = 128, kPanel = 64;        // bytes per panel row, columns per panel
     static constexpr int kStepsPerPanel = kPanel / 16;       // k16 steps inside a panel
-    // dQ split between the consumers: by 64 query rows each, or by halves of head_dim.
-    static constexpr bool kDqSplitRows = BLOCK_M == 128;
-    static constexpr int kDqN = kDqSplitRows ? HEAD_DIM : HEAD_DIM / 2;
+    // dQ split between the consumers: halves of head_dim where each half is whole panels of K
+    // (128), else the whole of dQ by one warpgroup, the two taking turns by pair parity (64).
+    static constexpr bool kDqHalves = HEAD_DIM / 2 % kPanel == 0;
+    static constexpr int kDqN = kDqHalves ? HEAD_DIM / 2 : HEAD_DIM;
     static constexpr u32 kTileKV = BLOCK_N * HEAD_DIM * 2, kTileQ = BLOCK_M * HEAD_DIM * 2;
     static constexpr u32 kTileDs = BLOCK_N * BLOCK_M * 2;
     static constexpr u32 kOffK = 0, kOffV = kTileKV, kOffQ = 2 * kTileKV;
@@ -69,11 +71,13 @@ struct BwdSm90Config {
     static constexpr int kBarriers = 2 * STAGES + 1;          // full[], empty[], full_kv
     static constexpr u32 kSmemBytes = 1024 + kOffBarriers + 8 * kBarriers;  // + 1024: realignment
     static constexpr int kStatsArrivals = 32;                 // the stats warp's lanes
+    // dV's wgmma overlaps the dS^T math when P^T (fp32 and packed), S^T's and dP^T's registers
+    // and dK, dV fit next to each other (so far every shipped tile: BLOCK_M 64).
+    static constexpr bool kOverlapDv = HEAD_DIM + BLOCK_M + BLOCK_M / 4 <= 208;
 
     static_assert(BLOCK_N == 128, "two consumer warpgroups of 64 keys");
-    static_assert(BLOCK_M == 64 || BLOCK_M == 128, "whole 64-query panels of dS^T");
+    static_assert(BLOCK_M == 64, "dQ's M is one wgmma (and dS^T one 64-query panel)");
     static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "whole 128B panels; wgmma N <= 256");
-    static_assert(kDqSplitRows || kDqN % kPanel == 0, "each half of dQ starts on a panel of K");
     static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "register file");
     static_assert(STAGES >= 2, "a ring of one stage cannot overlap loads with math");
 };
@@ -245,11 +249,9 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
     const u64 desc_do = desc_k_major<kSw>(base + C::kOffDo);
     const u64 desc_q_mn = desc_mn_major<kSw>(base + C::kOffQ, C::kBlockM * kSw);
     const u64 desc_do_mn = desc_mn_major<kSw>(base + C::kOffDo, C::kBlockM * kSw);
-    // dQ: this warpgroup's 64 query columns of dS^T (a panel) and head_dim columns of K.
-    const int dq_row0 = C::kDqSplitRows ? 64 * wg : 0;
-    const int dq_col0 = C::kDqSplitRows ? 0 : wg * C::kDqN;
-    const u64 desc_ds = desc_mn_major<kSw>(base + C::kOffDs + (dq_row0 / C::kPanel) * C::kBlockN * kSw,
-                                           C::kBlockN * kSw);
+    // dQ: dS^T (one panel of 64 queries) and this warpgroup's head_dim columns of K.
+    const int dq_col0 = C::kDqHalves ? wg * C::kDqN : 0;
+    const u64 desc_ds = desc_mn_major<kSw>(base + C::kOffDs, C::kBlockN * kSw);
     const u64 desc_k_mn = desc_mn_major<kSw>(
         base + C::kOffK + (dq_col0 / C::kPanel) * C::kBlockN * kSw, C::kBlockN * kSw);
     const float* stats_all = reinterpret_cast<const float*>(tiles + C::kOffStats);
@@ -299,14 +301,21 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
                     if (masked) acc_s[4 * i + e] = 0.f;
                 }
         }
-        pack_a<Elem>(p16, acc_s);
-
-        // dV += P^T dO runs while dS^T is computed.
-        fence_operands(acc_dv);
-        fence_packed(p16);
-        wgmma_fence();
-        issue_dkv<C>(acc_dv, p16.r, desc_do_mn + slot);
-        wgmma_wait<1>();  // dP^T is done; dV may still run
+        const auto issue_dv = [&] {
+            pack_a<Elem>(p16, acc_s);
+            fence_operands(acc_dv);
+            fence_packed(p16);
+            wgmma_fence();
+            issue_dkv<C>(acc_dv, p16.r, desc_do_mn + slot);
+        };
+        // Overlapped: dV += P^T dO runs while dS^T is computed (P^T then lives in fp32 and
+        // packed at once). Otherwise dS^T first, and S^T's registers are free before P^T's.
+        if constexpr (C::kOverlapDv) {
+            issue_dv();
+            wgmma_wait<1>();  // dP^T is done; dV may still run
+        } else {
+            wgmma_wait<0>();
+        }
         fence_operands(acc_dp);
         #pragma unroll
         for (int i = 0; i < C::kBlockM / 8; ++i) {
@@ -315,6 +324,7 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
             for (int e = 0; e < 4; ++e)
                 acc_dp[4 * i + e] = acc_s[4 * i + e] * (acc_dp[4 * i + e] - (e & 1 ? d.y : d.x));
         }
+        if constexpr (!C::kOverlapDv) issue_dv();
         pack_a<Elem>(ds16, acc_dp);
 
         // dS^T to this pair's buffer (for dQ), visible to the async proxy before the barrier.
@@ -334,9 +344,12 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
         issue_dkv<C>(acc_dk, ds16.r, desc_q_mn + slot);
 
         named_barrier_sync(1, 256);  // both warpgroups' dS^T rows are written
-        fence_operands(acc_dq);
-        wgmma_fence();
-        issue_dq<C>(acc_dq, desc_ds + (((it % 2) * C::kTileDs) >> 4), desc_k_mn);
+        const bool dq_here = C::kDqHalves || it % 2 == wg;
+        if (dq_here) {
+            fence_operands(acc_dq);
+            wgmma_fence();
+            issue_dq<C>(acc_dq, desc_ds + (((it % 2) * C::kTileDs) >> 4), desc_k_mn);
+        }
         wgmma_wait<0>();
         fence_operands(acc_dv);
         fence_operands(acc_dk);
@@ -345,8 +358,9 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
         if (lane == 0) mbarrier_arrive(bar.empty(s));
 
         // dq_accum[query, head, :] += scale * dQ, rows past seqlen_q skipped.
+        if (!dq_here) continue;
         const i64 row_stride = i64(a.heads) * C::kHeadDim;
-        const int q_row = m0 + dq_row0 + 16 * warp + lane / 4;
+        const int q_row = m0 + 16 * warp + lane / 4;
         float* dq = a.dq_accum + (i64(w.batch) * a.seqlen_q + q_row) * row_stride +
                     head * C::kHeadDim + dq_col0 + lane_col;
         #pragma unroll
