@@ -1,0 +1,91 @@
+"""Tuning specs with mods on the GPU (measure_mods.py): a forward on the Hopper family (onto
+flash_attn_fwd_sm90) and on the mma.sync family, and a backward main kernel (onto
+flash_attn_bwd), each with real mod argument values; the chosen config passes the check, is
+stored, answers lookup, and matches a float32 reference applying the same modification.
+
+Run on the GPU machine: python -m pytest -q -m gpu tests/test_tune_mods_gpu.py
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernelgen import api, env, tune
+from kernelgen.reference import attention_ref, max_error, rounding_allowance
+from kernelgen.spec import load_spec
+from kernelgen.tune import Problem
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+PROBLEM = Problem(batch=2, heads=4, heads_k=2, seqlen_q=777, seqlen_k=777)
+PARAMS = {"head_dim": 64, "dtype": "bf16", "causal": False}
+SOFTCAP = 20.0
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("KERNELGEN_AUTOTUNE", raising=False)
+    env.reload_settings()
+    tune.clear_memo()
+    yield
+    env.reload_settings()
+    tune.clear_memo()
+
+
+def _documents(batch: int, seqlen: int) -> torch.Tensor:
+    """int32 document ids per token, random boundaries (some inside a tile)."""
+    generator = torch.Generator().manual_seed(7)
+    ids = torch.zeros(batch, seqlen, dtype=torch.int32)
+    for b in range(batch):
+        cuts = torch.randint(1, seqlen, (5,), generator=generator).sort().values
+        for cut in cuts:
+            ids[b, cut:] += 1
+    return ids.cuda()
+
+
+def _tuned(spec, mod_values):
+    result = tune.tune(spec, PROBLEM, device=0, mod_values=mod_values,
+                       **{k: v for k, v in PARAMS.items() if k in {p.name for p in spec.params}})
+    assert result.chosen is not None, "no config passed the check"
+    statuses = {t.status for t in result.trials}
+    assert "ok" in statuses
+    variant = result.variant
+    assert tune.lookup(spec, variant, PROBLEM, 0) == result.chosen.config
+    return result
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Hopper family needs compute capability 9.0")
+def test_softcap_forward_on_hopper_tunes_and_runs_the_choice():
+    import kernelgen
+
+    spec = load_spec("flash_attn_softcap", onto="flash_attn_fwd_sm90")
+    result = _tuned(spec, {"softcap": SOFTCAP})
+    # AttentionKernel's Hopper path looks the config up: the tuned one runs, and is correct.
+    q, k, v = (torch.randn(PROBLEM.batch, PROBLEM.seqlen_q, h, PARAMS["head_dim"], device="cuda",
+                           dtype=torch.bfloat16) for h in (PROBLEM.heads, PROBLEM.heads_k,
+                                                           PROBLEM.heads_k))
+    out = kernelgen.flash_attn_func(q, k, v, softcap=SOFTCAP)
+
+    def capped(s, b, h, i, j):
+        return SOFTCAP * torch.tanh(s / SOFTCAP)
+
+    ref, _ = attention_ref(q, k, v, score_mod=capped)
+    low, _ = attention_ref(q, k, v, score_mod=capped, upcast=False)
+    assert max_error(out, ref) <= 2 * max_error(low, ref) + rounding_allowance(ref)
+    assert result.chosen.timing.median_ms <= result.trial(result.default).timing.median_ms * 1.0001
+
+
+def test_document_forward_on_the_mma_sync_family_tunes():
+    docs = _documents(PROBLEM.batch, PROBLEM.seqlen_q)
+    _tuned(load_spec("flash_attn_document"), {"doc_q": docs, "doc_k": docs})
+
+
+def test_window_backward_tunes():
+    spec = load_spec("flash_attn_window", onto="flash_attn_bwd")
+    result = _tuned(spec, {"window_left": 100, "window_right": 20})
+    assert all(math.isfinite(t.timing.median_ms) for t in result.trials if t.status == "ok")
