@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernelgen import api, backward, ops
+from kernelgen import api, backward, ops, tune
 from kernelgen.spec import KernelSpec, load_spec
 
 BASE_ARGS = tuple(a.name for a in load_spec(ops.FWD_SPEC).args)
@@ -76,8 +76,9 @@ class AttentionKernel:
 
             return mods_sm90.forward_sm90(self.spec, q, k, v, self.params, scale, values)
         q, k, v = ops._aligned(q), ops._aligned(k), ops._aligned(v)
-        bound = self.kernel(api.pick_arch(self.spec, device))
         batch, seqlen_q, heads, head_dim = q.shape
+        bound = self._tuned_kernel(api.pick_arch(self.spec, device), device,
+                                   (batch, heads, k.shape[2], seqlen_q, k.shape[1]))
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
         if out.numel():
@@ -90,6 +91,55 @@ class AttentionKernel:
             bound.launch(args, bound.grid({**scalars, **dict(zip(
                 (a.name for a in self.mod_args), extra))}), device, api._current_stream(device))
         return out, lse
+
+    def _tuned_kernel(self, arch: str, device: int, sizes: tuple) -> api.BoundKernel:
+        """The kernel to launch: this kernel's config if it was given one, else tune.lookup's
+        (the tuning DB, which AttentionKernel.tune fills, then the spec's defaults)."""
+        if self.config is not None:
+            return self.kernel(arch)
+        key = (arch, device, sizes)
+        bound = self._kernels.get(key)
+        if bound is None:
+            variant = self.spec.variant(arch=arch, **self.params)
+            config = tune.lookup(self.spec, variant, tune.Problem(*sizes), device)
+            bound = api.load(self.spec, arch=arch, config=config.as_dict(), **self.params)
+            if len(self._kernels) >= 256:
+                self._kernels.clear()
+            self._kernels[key] = bound
+        return bound
+
+    def tune(self, q, k, v, *, backward: bool | None = None, **mod_args) -> list:
+        """Tune this kernel on the GPU for the sizes of q, k, v and these mod arguments (what it
+        will run on: a mask's data decides which tiles have work), and store the choices in the
+        tuning DB, where later calls find them: the forward of the family this GPU runs (the
+        Hopper one on compute capability 9.0) and, unless backward=False, the backward's main
+        kernel if the spec is differentiable. Returns the tune.TuneResults."""
+        ops._check_inputs(q, k, v)
+        values = self._mod_values(mod_args, q.device)
+        named = dict(zip((a.name for a in self.mod_args), values))
+        device = q.device.index
+        batch, seqlen_q, heads, _ = q.shape
+        problem = tune.Problem(batch, heads, k.shape[2], seqlen_q, k.shape[1])
+        if ops.forward_family(device) == "sm90":
+            from kernelgen import mods_sm90
+
+            specs = [mods_sm90.sm90_spec(self.spec)]
+        else:
+            specs = [self.spec]
+        differentiable = (self.spec.mods.score_mod is None
+                          or self.spec.mods.score_mod_grad is not None)
+        if backward is None:
+            backward = differentiable
+        if backward:
+            from kernelgen import backward as gradients   # the argument hides the module
+
+            gradients.check_differentiable(self.spec)
+            specs.append(load_spec(self.spec.path, onto=gradients.MAIN_SPEC))
+        results = []
+        for spec in specs:
+            params = {n: v for n, v in self.params.items() if n in {p.name for p in spec.params}}
+            results.append(tune.tune(spec, problem, device=device, mod_values=named, **params))
+        return results
 
     def _mod_values(self, given: dict, device) -> tuple:
         """The mod arguments in the kernel's order, checked: tensors for `ptr`, numbers else."""
