@@ -24,6 +24,11 @@ for step in $STEPS; do
                | tee "$OUT/benchmods.log" ;;
     bwd)     gpu_tests tests/test_backward.py tests/test_backward_tune.py tests/test_backward_compile.py | tee "$OUT/bwd.log" | tail -30 ;;
     tune)    gpu_tests tests/test_tune_gpu.py | tee "$OUT/tune.log" | tail -30 ;;
+    tunemods) gpu_tests tests/test_tune_mods_gpu.py | tee "$OUT/tunemods.log" | tail -30 ;;
+    bwd90)   gpu_tests tests/test_bwd_sm90_gpu.py | tee "$OUT/bwd90.log" | tail -30 ;;
+    blockmask) gpu_tests tests/test_blockmask_gpu.py | tee "$OUT/blockmask.log" | tail -30
+             KERNELGEN_FORWARD=sm80 gpu_tests tests/test_blockmask_gpu.py | tee "$OUT/blockmask80.log" | tail -4 ;;
+    pytest)  gpu_tests ${PYTEST_ARGS} | tee -a "$OUT/pytest.log" | tail -30 ;;
     sm90)    gpu_tests tests/test_sm90_gpu.py | tee "$OUT/sm90.log" | tail -30 ;;
     memcheck) timeout $T compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
                python3 tools/ragged.py 2>&1 | tee "$OUT/memcheck.log" | tail -6 ;;
