@@ -1,5 +1,7 @@
 // The Hopper part of the emulator (cuda_emu.h): warpgroup collectives, named barriers, mbarriers,
-// TMA tensor loads and wgmma, enough to run the sm_90a forward (flash_fwd_sm90.cuh) on the CPU.
+// TMA tensor loads and wgmma, enough to run the sm_90a forward (flash_fwd_sm90.cuh) and the
+// backward main kernel (flash_bwd_sm90.cuh: wgmma with A read transposed from shared memory) on
+// the CPU.
 //
 // Asynchrony is modelled where a missing wait would otherwise pass by luck:
 //  * wgmma records its operands at issue; the math runs at the wgmma.wait_group that retires its
@@ -23,7 +25,7 @@ namespace emu {
 
 struct WgmmaOp {            // one wgmma instruction of one warpgroup
     int n = 0;              // N of m64nNk16
-    bool bf16 = true, trans_b = false, accumulate = true;
+    bool bf16 = true, trans_b = false, accumulate = true, trans_a = false;
     uint64_t desc_a = 0, desc_b = 0;  // desc_a unused when A comes from registers
     float* d[128];          // each thread's accumulators (n / 2 floats)
     const uint32_t* a[128]; // each thread's A fragment, or null (A from shared memory)
@@ -263,7 +265,7 @@ inline void execute(const WgmmaOp& op) {
     } else {
         const Desc da = decode(op.desc_a);
         for (int m = 0; m < 64; ++m)
-            for (int k = 0; k < 16; ++k) a[m][k] = operand(da, false, m, k, op.bf16);
+            for (int k = 0; k < 16; ++k) a[m][k] = operand(da, op.trans_a, m, k, op.bf16);
     }
     const Desc db = decode(op.desc_b);
     for (int k = 0; k < 16; ++k)
@@ -281,18 +283,21 @@ inline void execute(const WgmmaOp& op) {
             }
 }
 
-// One m64nNk16 wgmma of the calling thread's warpgroup: A from `desc_a` (K-major) or, when `a`
-// is given, from registers; B from `desc_b`, MN-major when trans_b.
+// One m64nNk16 wgmma of the calling thread's warpgroup: A from `desc_a` (K-major, MN-major when
+// trans_a: 16-bit types only, as in the ISA) or, when `a` is given, from registers (never
+// transposed); B from `desc_b`, MN-major when trans_b.
 template <class Elem>
 inline void wgmma(float* d, int n, uint64_t desc_a, const uint32_t* a, uint64_t desc_b,
-                  bool accumulate, bool trans_b) {
+                  bool accumulate, bool trans_b, bool trans_a = false) {
+    if (a && trans_a) fail("wgmma with A from registers has no transpose", 0);
     Warpgroup& wg = sm90().warpgroups[threadIdx.x / 128];
     const int t = threadIdx.x % 128;
     if (wg.arrived == 0) {
-        wg.pending = WgmmaOp{n, std::is_same_v<Elem, kg::bf16_t>, trans_b, accumulate, desc_a,
-                             desc_b};
+        wg.pending = WgmmaOp{n, std::is_same_v<Elem, kg::bf16_t>, trans_b, accumulate, trans_a,
+                             desc_a, desc_b};
     } else if (wg.pending.desc_a != desc_a || wg.pending.desc_b != desc_b || wg.pending.n != n ||
-               wg.pending.accumulate != accumulate) {
+               wg.pending.accumulate != accumulate || wg.pending.trans_a != trans_a ||
+               wg.pending.trans_b != trans_b) {
         fail("threads of a warpgroup issued different wgmma operands", desc_b);
     }
     wg.pending.d[t] = d;

@@ -1,0 +1,55 @@
+"""The Hopper backward main kernel (spec flash_attn_bwd_sm90: TMA, mbarriers, wgmma) for
+kernelgen.backward: when it applies, and the tensor maps its launch takes.
+
+It computes what flash_attn_bwd's main kernel computes, with the same arguments plus four tensor
+maps (Q and dO in boxes of block_m rows, K and V of block_n), so backward._run keeps the prep
+kernel and the dQ cast around it. Only the non-deterministic path without mods runs here (the
+kernel adds dQ with atomics, and knows no spec mods); KERNELGEN_BACKWARD=sm80 forces the
+mma.sync kernel everywhere.
+"""
+from __future__ import annotations
+
+from kernelgen import env, tma
+
+SPEC = "flash_attn_bwd_sm90"
+HEAD_DIMS = (64, 128)   # the spec's head_dim values
+_EMPTY_MAP = bytes(tma.MAP_BYTES)  # for an empty K/V: the grid is empty, nothing loads from it
+_CAPABILITIES: dict[int, tuple[int, int]] = {}
+
+
+def applies(head_dim: int, device: int, deterministic: bool, has_mods: bool) -> bool:
+    """Whether backward runs this kernel as its main kernel on `device` (compute capability 9.0)."""
+    if deterministic or has_mods or head_dim not in HEAD_DIMS:
+        return False
+    if env.settings().backward == "sm80":
+        return False
+    capability = _CAPABILITIES.get(device)
+    if capability is None:  # a device's capability does not change: ask torch once
+        import torch
+
+        capability = _CAPABILITIES[device] = torch.cuda.get_device_capability(device)
+    return capability == (9, 0)
+
+
+def is_sm90(kernel) -> bool:
+    """Whether a main kernel (an api.BoundKernel, or what stands in for one) is this spec's."""
+    return kernel.spec.name == SPEC
+
+
+def tensor_maps(kernel, q, k, v, dout) -> tuple:
+    """(tma.TiledMap, tensor) for Q, K, V and dO, in the kernel's argument order; all-zero maps
+    when K/V are empty. A pair is what the emulator takes; `encode` makes the launch's bytes."""
+    if not k.shape[1]:
+        return tuple((_EMPTY_MAP, t) for t in (q, k, v, dout))
+    config = kernel.config
+    dtype = kernel.variant["dtype"]
+    swizzle = kernel.spec.environment(kernel.variant, config)["swizzle"]
+    return tuple((tma.attention_map(t.shape, t.stride(), dtype, rows, swizzle), t)
+                 for t, rows in ((q, config["block_m"]), (k, config["block_n"]),
+                                 (v, config["block_n"]), (dout, config["block_m"])))
+
+
+def encode(pair) -> bytes:
+    """A tensor_maps pair as the 128 bytes the kernel parameter takes (needs a driver)."""
+    tiled, tensor = pair
+    return tiled if isinstance(tiled, bytes) else tma.encode(tiled, tensor.data_ptr())
