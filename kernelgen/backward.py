@@ -4,7 +4,9 @@ Launches on torch's current stream, without host synchronization:
   1. flash_attn_bwd_prep: D = rowsum(dO * O) in fp32, and zeroing of the fp32 dQ accumulator;
   2. flash_attn_bwd: dK and dV per KV tile (the query heads of a GQA group summed in registers),
      and dQ * scale added into the accumulator with fp32 atomics; dQ is the accumulator cast to
-     the input dtype.
+     the input dtype. On compute capability 9.0 (head dims 64, 128; no mods, not deterministic)
+     flash_attn_bwd_sm90 does the same with wgmma (backward_sm90; KERNELGEN_BACKWARD=sm80 keeps
+     flash_attn_bwd).
 With deterministic=True, step 2 runs without atomics and flash_attn_bwd_dq computes dQ per query
 tile (recomputing P and dP), so that the gradients are bitwise identical from run to run.
 The main kernel's config comes from the tuner (tune.lookup per problem: `kernelgen tune
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernelgen import api, ops, tune
+from kernelgen import api, backward_sm90, ops, tune
 from kernelgen.spec import KernelSpec, load_spec
 
 PREP_SPEC, MAIN_SPEC, DQ_SPEC = "flash_attn_bwd_prep", "flash_attn_bwd", "flash_attn_bwd_dq"
@@ -93,7 +95,10 @@ def _kernels(head_dim: int, dtype: str, causal: bool, device: int, deterministic
         variant = dict(head_dim=head_dim, dtype=dtype, causal=causal)
         if mods is not None:
             variant = dict(mods.params)
-        main, dq = _backward_spec(MAIN_SPEC, mods), _backward_spec(DQ_SPEC, mods)
+        # Compute capability 9.0, no mods, atomics allowed: the Hopper main kernel (backward_sm90).
+        main_name = (backward_sm90.SPEC if backward_sm90.applies(head_dim, device, deterministic,
+                                                                 mods is not None) else MAIN_SPEC)
+        main, dq = _backward_spec(main_name, mods), _backward_spec(DQ_SPEC, mods)
         problem = tune.Problem(*sizes)
         kernels = _Kernels(_load(PREP_SPEC, device, dtype=dtype),
                            _load(main, device, _main_config(device, problem, main, **variant), **variant),
@@ -164,12 +169,13 @@ def flash_attn_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: fl
 
 
 def _launcher(device: int):
-    """launch(kernel, args, sizes) on torch's current stream; args hold tensors, None for null."""
+    """launch(kernel, args, sizes) on torch's current stream; args hold tensors, None for null,
+    and (layout, tensor) pairs for tensor maps (backward_sm90.tensor_maps)."""
     stream = api._current_stream(device)
 
     def launch(kernel: api.BoundKernel, args: tuple, sizes: dict) -> None:
-        values = tuple(0 if a is None else a.data_ptr() if isinstance(a, torch.Tensor) else a
-                       for a in args)
+        values = tuple(0 if a is None else a.data_ptr() if isinstance(a, torch.Tensor)
+                       else backward_sm90.encode(a) if isinstance(a, tuple) else a for a in args)
         kernel.launch(values, kernel.grid(sizes), device, stream)
 
     return launch
@@ -208,10 +214,13 @@ def _run(kernels: _Kernels, launch, dout, q, k, v, out, lse, scale: float,
     b = _buffers(q, k, kernels.dq is not None) if buffers is None else buffers
     launch(kernels.prep, (out, dout, b.dsum, b.dq_accum, *_strides(out), *_strides(dout),
                           batch, heads, seqlen_q, head_dim), sizes)
-    launch(kernels.main, (q, k, v, dout, lse, b.dsum, b.dq_accum, b.dk, b.dv,
-                          *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
-                          *_strides(b.dk), *_strides(b.dv),
-                          batch, heads, heads_k, seqlen_q, seqlen_k, scale, *mod_args), sizes)
+    main_args = (q, k, v, dout, lse, b.dsum, b.dq_accum, b.dk, b.dv,
+                 *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
+                 *_strides(b.dk), *_strides(b.dv),
+                 batch, heads, heads_k, seqlen_q, seqlen_k, scale, *mod_args)
+    if backward_sm90.is_sm90(kernels.main):  # + its tensor maps (it takes no mods)
+        main_args += backward_sm90.tensor_maps(kernels.main, q, k, v, dout)
+    launch(kernels.main, main_args, sizes)
     if b.dq_accum is not None:  # already scaled by the kernel
         b.dq.copy_(b.dq_accum)
     else:

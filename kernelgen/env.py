@@ -23,6 +23,7 @@ class Settings:
     dump_sources: bool
     debug: int
     autotune: bool
+    backward: str  # KERNELGEN_BACKWARD: "auto" (by GPU) or "sm80" (the mma.sync main kernel)
 
 
 def _flag(name: str) -> bool:
@@ -43,6 +44,17 @@ def _debug_level() -> int:
     if level not in _DEBUG_LEVELS:
         raise SettingsError(f"KERNELGEN_DEBUG={text!r}: not a debug level; allowed: 0, 1, 2")
     return level
+
+
+_BACKWARD_FAMILIES = ("auto", "sm80")
+
+
+def _backward_family() -> str:
+    text = os.environ.get("KERNELGEN_BACKWARD", "").strip().lower() or "auto"
+    if text not in _BACKWARD_FAMILIES:
+        raise SettingsError(f"KERNELGEN_BACKWARD={os.environ['KERNELGEN_BACKWARD']!r}: not a "
+                            f"backward family; allowed: {', '.join(_BACKWARD_FAMILIES)}")
+    return text
 
 
 def _cache_dir() -> Path:
@@ -67,6 +79,7 @@ def settings() -> Settings:
         dump_sources=_flag("KERNELGEN_DUMP_SOURCES"),
         debug=_debug_level(),
         autotune=_flag("KERNELGEN_AUTOTUNE"),
+        backward=_backward_family(),
     )
 
 
