@@ -389,8 +389,10 @@ def export_defaults(path: Path, db: tunedb.TuneDB | None = None) -> int:
         if run["config"] is None:
             continue
         if run["spec"] not in hashes:
+            # `<spec>__<base>`: a mods spec put onto another base (load_spec's onto=).
+            child, onto, base = run["spec"].partition("__")
             try:
-                hashes[run["spec"]] = load_spec(run["spec"]).content_hash
+                hashes[run["spec"]] = load_spec(child, onto=base if onto else None).content_hash
             except SpecError:   # not a shipped spec
                 hashes[run["spec"]] = None
         if run["spec_hash"] != hashes[run["spec"]]:

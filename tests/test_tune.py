@@ -437,6 +437,22 @@ def test_export_writes_the_shipped_format(fake_gpu, spec, variant, tmp_path, mon
     assert tune.resolve(spec, variant, PROBLEM, device=0) == tune.Choice(cfg(128, 64), "shipped")
 
 
+def test_export_keeps_a_mods_spec_put_onto_a_base(fake_gpu, tmp_path, monkeypatch):
+    window = load_spec("flash_attn_window", onto="flash_attn_bwd")
+    variant = window.variant("sm_90", head_dim=128, dtype="bf16", causal=True)
+    config = window.default_config(variant)
+    record(window, variant, config)
+    out = tmp_path / "exported.json"
+    assert cli_main(["tune", "--export", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [e["spec"] for e in doc["entries"]] == ["flash_attn_window__flash_attn_bwd"]
+    TuneDB().clear()
+    tune.clear_memo()
+    monkeypatch.setattr(tune, "DEFAULTS_PATH", out)
+    tune._shipped_table.cache_clear()
+    assert tune.resolve(window, variant, PROBLEM, device=0) == tune.Choice(config, "shipped")
+
+
 # ---- tuning on a miss, and CUDA-graph capture -------------------------------------------------
 
 @pytest.fixture
