@@ -28,6 +28,8 @@ for step in $STEPS; do
     bwd90)   gpu_tests tests/test_bwd_sm90_gpu.py | tee "$OUT/bwd90.log" | tail -30 ;;
     blockmask) gpu_tests tests/test_blockmask_gpu.py | tee "$OUT/blockmask.log" | tail -30
              KERNELGEN_FORWARD=sm80 gpu_tests tests/test_blockmask_gpu.py | tee "$OUT/blockmask80.log" | tail -4 ;;
+    tunemodsdb) timeout $T python3 tools/tune_mods.py --export "$OUT/tuned_mods.json" ${TUNE_MODS_ARGS} 2>&1 \
+               | tee "$OUT/tune_mods.log" | grep -v '^\[' ;;
     pytest)  gpu_tests ${PYTEST_ARGS} | tee -a "$OUT/pytest.log" | tail -30 ;;
     sm90)    gpu_tests tests/test_sm90_gpu.py | tee "$OUT/sm90.log" | tail -30 ;;
     memcheck) timeout $T compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
