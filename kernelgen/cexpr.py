@@ -34,6 +34,9 @@ class CExpr:
     text: str
     file: str   # the spec file, for #line
     line: int   # 1-based line of the expression in that file
+    # The variables it reads (not functions): a block mask of a mask_mod that never reads
+    # `batch` (or `head`) is the same for every batch element (head), so it keeps one.
+    names: frozenset = frozenset()
 
 
 def check_cexpr(text, *, where: str, file: str, line: int, names) -> CExpr:
@@ -43,6 +46,7 @@ def check_cexpr(text, *, where: str, file: str, line: int, names) -> CExpr:
     allowed = set(names)
     tokens = list(_tokens(text, where))
     depth = 0
+    used = set()
     for i, (kind, value) in enumerate(tokens):
         if kind == "op":
             depth += {"(": 1, ")": -1}.get(value, 0)
@@ -61,9 +65,11 @@ def check_cexpr(text, *, where: str, file: str, line: int, names) -> CExpr:
         elif value not in allowed:
             raise CExprError(f"{where}: name {value!r} is not defined here (in {text!r}); "
                              f"allowed names: {', '.join(sorted(allowed))}")
+        else:
+            used.add(value)
     if depth:
         raise CExprError(f"{where}: unbalanced '(' in {text!r}")
-    return CExpr(text.strip(), file, line)
+    return CExpr(text.strip(), file, line, frozenset(used))
 
 
 def _tokens(text: str, where: str):

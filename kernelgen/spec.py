@@ -5,6 +5,7 @@ error names the file, the key path and what would have been allowed.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import re
@@ -153,6 +154,17 @@ MOD_CONTEXTS = {
     "kv_range": ("q_first", "q_last", "batch", "head", "seqlen_q", "seqlen_k"),
 }
 KV_RANGE_KEYS = ("lo", "hi", "full_lo", "full_hi")
+# `mods.block_sparse: true` adds these kernel arguments after the mod args: a block mask's lists
+# for the kernel's tile (kernelgen/blockmask.py). Row r = batch * bm_stride_b + head * bm_stride_h
+# + block (a query block: forward and dQ kernels; a KV block: the backward's main kernel) has
+# bm_num[r] partially visible blocks bm_idx[r * bm_width ...] and bm_full_num[r] fully visible
+# ones bm_full_idx[r * bm_width ...], each list ascending.
+BLOCK_SPARSE_ARGS = (
+    Arg("bm_num", "ptr", "const int*"), Arg("bm_idx", "ptr", "const int*"),
+    Arg("bm_full_num", "ptr", "const int*"), Arg("bm_full_idx", "ptr", "const int*"),
+    Arg("bm_stride_b", "i32", "int"), Arg("bm_stride_h", "i32", "int"),
+    Arg("bm_width", "i32", "int"),
+)
 
 
 @dataclass(frozen=True)
@@ -169,10 +181,23 @@ class Mods:
     mask_mod: CExpr | None = None
     kv_range: tuple[CExpr, ...] | None = None
     args: tuple = ()  # the Args the mods introduce (also appended to the spec's args)
+    # block_sparse: the kernel visits only the KV (or query) blocks a runtime block mask lists,
+    # and evaluates mask_mod only in the partially visible ones; its list arguments
+    # (BLOCK_SPARSE_ARGS) follow `args` in the spec's args.
+    block_sparse: bool = False
 
     @property
     def any(self) -> bool:
-        return bool(self.score_mod or self.mask_mod or self.kv_range)
+        return bool(self.score_mod or self.mask_mod or self.kv_range or self.block_sparse)
+
+    @property
+    def block_args(self) -> tuple:
+        return BLOCK_SPARSE_ARGS if self.block_sparse else ()
+
+    @property
+    def members(self) -> tuple:
+        """The Mods struct's runtime members, in kernel-argument order: args, then block_args."""
+        return self.args + self.block_args
 
 
 @dataclass(frozen=True)
@@ -531,7 +556,7 @@ def _yaml_lines(text: bytes, *keys: str) -> int:
 
 
 def _mods(value, text: bytes, at: _At, names: _Names, params) -> Mods:
-    body = _keys(value, at, (), ("args", *MOD_CONTEXTS))
+    body = _keys(value, at, (), ("args", "block_sparse", *MOD_CONTEXTS))
     args = tuple(_arg(v, at["args"][i])
                  for i, v in enumerate(_list(body.get("args", []), at["args"], nonempty=False)))
     for i, arg in enumerate(args):
@@ -553,8 +578,17 @@ def _mods(value, text: bytes, at: _At, names: _Names, params) -> Mods:
     if "kv_range" in body:
         bounds = _keys(body["kv_range"], at["kv_range"], KV_RANGE_KEYS)
         kv_range = tuple(check("kv_range", bounds[k], "kv_range", k) for k in KV_RANGE_KEYS)
+    block_sparse = body.get("block_sparse", False)
+    if not isinstance(block_sparse, bool):
+        raise at["block_sparse"].error(f"expected true or false, got {_kind(block_sparse)}")
+    if block_sparse and "mask_mod" not in found:
+        raise at["block_sparse"].error("a block mask classifies a mask_mod; this spec has none",
+                                       "block_sparse with a mask_mod")
+    if block_sparse:
+        for arg in BLOCK_SPARSE_ARGS:
+            names.define(arg.name, at["block_sparse"])
     return Mods(found.get("score_mod"), found.get("score_mod_grad"), found.get("mask_mod"),
-                kv_range, args)
+                kv_range, args, block_sparse)
 
 
 def _derived(value, at: _At, names: _Names) -> tuple[tuple[str, Expr], ...]:
@@ -610,7 +644,10 @@ def _parse(path: Path, text: bytes, onto: str | None = None) -> KernelSpec:
     for i, arg in enumerate(args):
         names.define(arg.name, at["args"][i]["name"])
     mods = _mods(top["mods"], text, at["mods"], names, params) if "mods" in top else Mods()
-    args = args + mods.args
+    if onto is not None and Path(onto).stem == "block_mask":
+        # The classify kernel (templates/block_mask.yaml) evaluates the mask: it takes no lists.
+        mods = dataclasses.replace(mods, block_sparse=False)
+    args = args + mods.members
     # Launch geometry may also depend on the runtime scalars (a grid over seqlen_q, say).
     grid, block, smem = _launch(top["launch"], at["launch"],
                                 known + [a.name for a in args if a.type != "ptr"])

@@ -71,13 +71,23 @@ __device__ __forceinline__ void flash_bwd_dq_sm80(const BwdDqArgs<typename C::El
     // KV tiles [n_first, n_first + n_blocks), as in the forward; n_first is a compile-time 0
     // without a kv range.
     int n_first = 0, n_blocks = kv_end > 0 ? cdiv(kv_end, C::kBlockN) : 0;
-    if constexpr (Mods::kKvRange) {
+    if constexpr (Mods::kKvRange && !Mods::kBlockSparse) {
         const int q_last = row0 + q_rows - 1;
         const int lo = max(0, mods.kv_lo(row0, q_last, batch, head, a.seqlen_q, a.seqlen_k));
         kv_end = min(kv_end, mods.kv_hi(row0, q_last, batch, head, a.seqlen_q, a.seqlen_k));
         n_first = lo / C::kBlockN;
         n_blocks = kv_end > lo ? cdiv(kv_end, C::kBlockN) - n_first : 0;
     }
+    // A block mask lists the tiles instead, as in the forward: iteration nb visits kv_tile(nb).
+    SparseRow sparse{nullptr, nullptr, 0, 0};
+    if constexpr (Mods::kBlockSparse) {
+        sparse = mods.sparse_row(batch, head, m_block);
+        n_blocks = sparse.n_blocks;
+    }
+    const auto kv_tile = [&](int i) {
+        if constexpr (Mods::kBlockSparse) return sparse.block(i);
+        else return n_first + i;
+    };
     if (n_blocks == 0) {  // no row of the tile sees a key: dQ = 0
         for (int i = tid; i < q_rows * C::kHeadDim; i += C::kThreads)
             dq[(i / C::kHeadDim) * a.dq_stride_s + i % C::kHeadDim] = Elem{0};
@@ -96,7 +106,7 @@ __device__ __forceinline__ void flash_bwd_dq_sm80(const BwdDqArgs<typename C::El
     #pragma unroll
     for (int s = 0; s < C::kStages - 1; ++s) {
         if (s < n_blocks) {
-            const int tile = n_first + s, rows = a.seqlen_k - tile * C::kBlockN;
+            const int tile = kv_tile(s), rows = a.seqlen_k - tile * C::kBlockN;
             loader.template load<C::kBlockN>(s_k + s * C::kTileKV * 2,
                                              k + tile * C::kBlockN * a.k_stride_s, a.k_stride_s, rows);
             loader.template load<C::kBlockN>(s_v + s * C::kTileKV * 2,
@@ -127,7 +137,7 @@ __device__ __forceinline__ void flash_bwd_dq_sm80(const BwdDqArgs<typename C::El
         {
             const int pf = nb + C::kStages - 1;
             if (pf < n_blocks) {
-                const int slot = pf % C::kStages, tile = n_first + pf;
+                const int slot = pf % C::kStages, tile = kv_tile(pf);
                 const int rows = a.seqlen_k - tile * C::kBlockN;
                 loader.template load<C::kBlockN>(s_k + slot * C::kTileKV * 2,
                                                  k + tile * C::kBlockN * a.k_stride_s, a.k_stride_s, rows);
@@ -156,7 +166,14 @@ __device__ __forceinline__ void flash_bwd_dq_sm80(const BwdDqArgs<typename C::El
 
         // P = 0 for keys past seqlen_k and, for causal, past a row's diagonal (that includes the
         // rows with LSE = -inf, which see no key). Only straddling tiles pay for the test.
-        const int col0 = (n_first + nb) * C::kBlockN;
+        const int col0 = kv_tile(nb) * C::kBlockN;
+        // The mask_mod per element: in the block mask's partially visible tiles, else unless
+        // the kv range vouches for the whole tile.
+        const auto mod_mask_here = [&] {
+            if constexpr (Mods::kBlockSparse) return nb < sparse.n_partial;
+            else return mod_mask_needed<C::kBlockN>(mods, col0, row0, row0 + q_rows - 1, batch,
+                                                    head, a.seqlen_q, a.seqlen_k);
+        };
         bool need_mask = col0 + C::kBlockN > a.seqlen_k;
         if constexpr (C::kCausal) need_mask |= col0 + C::kBlockN - 1 > row0 + shift;
         if constexpr (!Mods::kScoreMod) {
@@ -165,9 +182,8 @@ __device__ __forceinline__ void flash_bwd_dq_sm80(const BwdDqArgs<typename C::El
                 mask_probs</*KEYS_ARE_ROWS=*/false, C::kCausal>(
                     acc_s, a.seqlen_k - lane_col, lane_col - (row0 + lane_row) - shift);
             }
-            if constexpr (Mods::kMaskMod) {  // unless the kv range vouches for the whole tile
-                if (mod_mask_needed<C::kBlockN>(mods, col0, row0, row0 + q_rows - 1, batch, head,
-                                                a.seqlen_q, a.seqlen_k))
+            if constexpr (Mods::kMaskMod) {
+                if (mod_mask_here())
                     mod_mask_probs</*KEYS_ARE_ROWS=*/false>(
                         acc_s, mods, ModSite{batch, a.seqlen_q, a.seqlen_k, a.softmax_scale}, head,
                         row0 + lane_row, col0 + 2 * (lane % 4));
@@ -184,9 +200,7 @@ __device__ __forceinline__ void flash_bwd_dq_sm80(const BwdDqArgs<typename C::El
             const int tail = a.seqlen_k - lane_kv, diag = lane_kv - lane_q - shift;
             mod_probs_grads</*KEYS_ARE_ROWS=*/false>(
                 acc_s, acc_dp, mods, ModSite{batch, a.seqlen_q, a.seqlen_k, a.softmax_scale}, head,
-                lane_q, lane_kv,
-                mod_mask_needed<C::kBlockN>(mods, col0, row0, row0 + q_rows - 1, batch, head,
-                                            a.seqlen_q, a.seqlen_k),
+                lane_q, lane_kv, mod_mask_here(),
                 [&](int key, int query) {
                     return need_mask && (key >= tail || (C::kCausal && diag + key - query > 0));
                 },

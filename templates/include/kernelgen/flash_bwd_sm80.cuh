@@ -300,9 +300,28 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdArgs<typename C::Elem>& 
     if constexpr (C::kCausal) m_first = min(max(kv0 - shift, 0) / C::kBlockM, m_tiles);
     const int per_head = m_tiles - m_first;
     // (query head, query tile) pairs, head-major. With a kv range only the pairs whose keys meet
-    // this KV tile are visited: `n_iter` counts them, and load_at / math_at walk them.
-    auto pair_head = [&](int pair) { return kv_head * group + pair / per_head; };
-    auto pair_m0 = [&](int pair) { return (m_first + pair % per_head) * C::kBlockM; };
+    // this KV tile are visited: `n_iter` counts them, and load_at / math_at walk them. A block
+    // mask lists them instead (causal folded in): pair p is the p-th entry of the group's heads'
+    // lists for this KV tile, each head's partially visible query tiles first. The lists stay in
+    // global memory (L1) and are re-read per use: this loop has no registers to spare.
+    constexpr bool kSkipPairs = Mods::kKvRange && !Mods::kBlockSparse;
+    struct ListedPair { int head, m_block; bool partial; };
+    auto listed_pair = [&](int pair) {
+        for (int g = 0;; ++g) {
+            const SparseRow row = mods.sparse_row(batch, kv_head * group + g, n_block);
+            if (pair < row.n_blocks || g == group - 1)
+                return ListedPair{kv_head * group + g, row.block(pair), pair < row.n_partial};
+            pair -= row.n_blocks;
+        }
+    };
+    auto pair_head = [&](int pair) {
+        if constexpr (Mods::kBlockSparse) return listed_pair(pair).head;
+        else return kv_head * group + pair / per_head;
+    };
+    auto pair_m0 = [&](int pair) {
+        if constexpr (Mods::kBlockSparse) return listed_pair(pair).m_block * C::kBlockM;
+        else return (m_first + pair % per_head) * C::kBlockM;
+    };
     auto pair_seen = [&](int pair) {
         const int head = pair_head(pair), m0 = pair_m0(pair);
         const int q_last = min(m0 + C::kBlockM, a.seqlen_q) - 1;
@@ -313,11 +332,19 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdArgs<typename C::Elem>& 
     };
     const int n_pairs = per_head * group;
     const int n_iter = [&] {
-        if constexpr (Mods::kKvRange) return count_seen(n_pairs, lane, pair_seen);
-        else return n_pairs;
+        if constexpr (Mods::kBlockSparse) {
+            int listed = 0;
+            for (int g = 0; g < group; ++g)
+                listed += mods.sparse_row(batch, kv_head * group + g, n_block).n_blocks;
+            return listed;
+        } else if constexpr (kSkipPairs) {
+            return count_seen(n_pairs, lane, pair_seen);
+        } else {
+            return n_pairs;
+        }
     }();
     auto next_pair = [&](int from) {
-        if constexpr (Mods::kKvRange) return first_seen(from, n_pairs, lane, pair_seen);
+        if constexpr (kSkipPairs) return first_seen(from, n_pairs, lane, pair_seen);
         else return from;
     };
     int load_at = next_pair(0), math_at = load_at;
@@ -359,8 +386,8 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdArgs<typename C::Elem>& 
     #pragma unroll
     for (int s = 0; s < C::kStages - 1; ++s) {
         if (s < n_iter) {
-            load_query_tile(s, Mods::kKvRange ? load_at : s);
-            if constexpr (Mods::kKvRange) load_at = next_pair(load_at + 1);
+            load_query_tile(s, kSkipPairs ? load_at : s);
+            if constexpr (kSkipPairs) load_at = next_pair(load_at + 1);
         }
         cp_async_commit();  // empty groups keep the wait_group arithmetic uniform
     }
@@ -380,15 +407,22 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdArgs<typename C::Elem>& 
         cp_async_wait<C::kStages - 2>();
         __syncthreads();  // tile `it` visible to all warps; the slot of it-1 is free again
         if (it + C::kStages - 1 < n_iter) {
-            load_query_tile(it + C::kStages - 1, Mods::kKvRange ? load_at : it + C::kStages - 1);
-            if constexpr (Mods::kKvRange) load_at = next_pair(load_at + 1);
+            load_query_tile(it + C::kStages - 1, kSkipPairs ? load_at : it + C::kStages - 1);
+            if constexpr (kSkipPairs) load_at = next_pair(load_at + 1);
         }
         cp_async_commit();
 
-        const int pair = Mods::kKvRange ? math_at : it;
-        if constexpr (Mods::kKvRange) math_at = next_pair(math_at + 1);
+        const int pair = kSkipPairs ? math_at : it;
+        if constexpr (kSkipPairs) math_at = next_pair(math_at + 1);
         const int slot = it % C::kStages, head = pair_head(pair);
         const int m0 = pair_m0(pair);
+        // Whether the mask_mod is evaluated per element here: in the block mask's partially
+        // visible tiles, else unless the kv range vouches for the whole tile.
+        const auto mod_mask_here = [&] {
+            if constexpr (Mods::kBlockSparse) return listed_pair(pair).partial;
+            else return mod_mask_needed<C::kBlockN>(mods, kv0, m0, min(m0 + C::kBlockM, a.seqlen_q) - 1,
+                                                    batch, head, a.seqlen_q, a.seqlen_k);
+        };
         const u32 q_tile = s_q + slot * C::kTileQ * 2, do_tile = s_do + slot * C::kTileQ * 2;
         const float* lse = stats + slot * C::kBlockM;
         const float* dsum = stats + (C::kStages + slot) * C::kBlockM;
@@ -421,9 +455,8 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdArgs<typename C::Elem>& 
             if (need_mask)
                 mask_probs</*KEYS_ARE_ROWS=*/true, C::kCausal>(
                     acc_s, a.seqlen_k - kv0 - lane_key, kv0 + lane_key - (m0 + lane_col) - shift);
-            if constexpr (Mods::kMaskMod) {  // unless the kv range vouches for the whole tile
-                if (mod_mask_needed<C::kBlockN>(mods, kv0, m0, min(m0 + C::kBlockM, a.seqlen_q) - 1,
-                                                batch, head, a.seqlen_q, a.seqlen_k))
+            if constexpr (Mods::kMaskMod) {
+                if (mod_mask_here())
                     mod_mask_probs</*KEYS_ARE_ROWS=*/true>(
                         acc_s, mods, ModSite{batch, a.seqlen_q, a.seqlen_k, a.softmax_scale}, head,
                         m0 + lane_col, kv0 + lane_key);
@@ -443,8 +476,7 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdArgs<typename C::Elem>& 
             mod_probs_grads</*KEYS_ARE_ROWS=*/true>(
                 acc_s, acc_dp, mods, ModSite{batch, a.seqlen_q, a.seqlen_k, a.softmax_scale}, head,
                 m0 + lane_col, kv0 + lane_key,
-                mod_mask_needed<C::kBlockN>(mods, kv0, m0, min(m0 + C::kBlockM, a.seqlen_q) - 1,
-                                            batch, head, a.seqlen_q, a.seqlen_k),
+                mod_mask_here(),
                 [&](int key, int query) {
                     return need_mask && (key >= tail || (C::kCausal && diag + key - query > 0));
                 },

@@ -97,8 +97,20 @@ struct TileLoader {
 // score_mod rewrites each scaled score, mask_mod hides (q_idx, kv_idx) pairs, and the kv range
 // bounds the keys a query tile can see ([kv_lo, kv_hi)) and those it surely sees ([full_lo,
 // full_hi)), so that tiles outside are skipped and tiles inside skip the per-element mask.
+// With a block mask (a spec's `mods.block_sparse`) the kernel visits only the blocks of its
+// row's lists (SparseRow), partially visible ones first; fully visible ones skip the mask_mod.
+struct SparseRow {
+    const int* partial; const int* full;
+    int n_partial, n_blocks;  // blocks [0, n_partial) are partial, [n_partial, n_blocks) full
+    __device__ __forceinline__ int block(int i) const {
+        return i < n_partial ? partial[i] : full[i - n_partial];
+    }
+};
+
 struct NoMods {
     static constexpr bool kScoreMod = false, kMaskMod = false, kKvRange = false;
+    static constexpr bool kBlockSparse = false;
+    __device__ SparseRow sparse_row(int, int, int) const { return SparseRow{nullptr, nullptr, 0, 0}; }
     __device__ float score_mod(float s, int, int, int, int, int, int) const { return s; }
     __device__ bool mask_mod(int, int, int, int, int, int) const { return true; }
     __device__ int kv_lo(int, int, int, int, int, int) const { return 0; }
@@ -136,13 +148,24 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdArgs<typename C::Elem>& 
     if constexpr (C::kCausal) kv_end = min(kv_end, row0 + q_rows + a.seqlen_k - a.seqlen_q);
     // KV tiles [n_first, n_first + n_blocks); n_first is a compile-time 0 without a kv range.
     int n_first = 0, n_blocks = kv_end > 0 ? cdiv(kv_end, C::kBlockN) : 0;
-    if constexpr (Mods::kKvRange) {
+    if constexpr (Mods::kKvRange && !Mods::kBlockSparse) {
         const int q_last = row0 + q_rows - 1;
         const int lo = max(0, mods.kv_lo(row0, q_last, batch, head, a.seqlen_q, a.seqlen_k));
         kv_end = min(kv_end, mods.kv_hi(row0, q_last, batch, head, a.seqlen_q, a.seqlen_k));
         n_first = lo / C::kBlockN;
         n_blocks = kv_end > lo ? cdiv(kv_end, C::kBlockN) - n_first : 0;
     }
+    // A block mask lists the tiles instead (its classify kernel folded in causal, the sequence
+    // ends and any kv range): iteration i visits KV tile kv_tile(i).
+    SparseRow sparse{nullptr, nullptr, 0, 0};
+    if constexpr (Mods::kBlockSparse) {
+        sparse = mods.sparse_row(batch, head, m_block);
+        n_blocks = sparse.n_blocks;
+    }
+    const auto kv_tile = [&](int i) {
+        if constexpr (Mods::kBlockSparse) return sparse.block(i);
+        else return n_first + i;
+    };
 
     if (n_blocks == 0) {  // every row of the tile sees no key: O = 0, LSE = -inf
         for (int i = tid; i < q_rows * C::kHeadDim; i += C::kThreads)
@@ -161,7 +184,7 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdArgs<typename C::Elem>& 
     #pragma unroll
     for (int s = 0; s < C::kStages - 1; ++s) {
         if (s < n_blocks) {
-            const int tile = n_first + s, rows = a.seqlen_k - tile * C::kBlockN;
+            const int tile = kv_tile(s), rows = a.seqlen_k - tile * C::kBlockN;
             loader.template load<C::kBlockN>(s_k + s * C::kTileKV * 2,
                                              k + tile * C::kBlockN * a.k_stride_s, a.k_stride_s, rows);
             loader.template load<C::kBlockN>(s_v + s * C::kTileKV * 2,
@@ -193,14 +216,14 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdArgs<typename C::Elem>& 
     // Rows of this lane: row0 + warp_row + mt*16 + lane/4 + 8h. Causal limit for a row r: r + shift.
 
     for (int i = 0; i < n_blocks; ++i) {
-        const int nb = n_first + i;  // the KV tile; i counts iterations (ring slots)
+        const int nb = kv_tile(i);  // the KV tile; i counts iterations (ring slots)
         cp_async_wait<C::kStages - 2>();
         __syncthreads();  // tile i visible to all warps; slot (i-1) % STAGES is free again
 
         {   // prefetch iteration i + STAGES - 1 into the slot the previous iteration released
             const int pf = i + C::kStages - 1;
             if (pf < n_blocks) {
-                const int slot = pf % C::kStages, tile = n_first + pf;
+                const int slot = pf % C::kStages, tile = kv_tile(pf);
                 const int rows = a.seqlen_k - tile * C::kBlockN;
                 loader.template load<C::kBlockN>(s_k + slot * C::kTileKV * 2,
                                                  k + tile * C::kBlockN * a.k_stride_s, a.k_stride_s, rows);
@@ -265,7 +288,9 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdArgs<typename C::Elem>& 
         if constexpr (C::kCausal)
             need_mask |= col0 + C::kBlockN - 1 > row0 + a.seqlen_k - a.seqlen_q;
         bool need_mod_mask = Mods::kMaskMod;
-        if constexpr (Mods::kMaskMod && Mods::kKvRange) {
+        if constexpr (Mods::kMaskMod && Mods::kBlockSparse) {
+            need_mod_mask = i < sparse.n_partial;  // the block mask vouches for full tiles
+        } else if constexpr (Mods::kMaskMod && Mods::kKvRange) {
             const int q_last = row0 + q_rows - 1;
             need_mod_mask =
                 col0 < mods.full_lo(row0, q_last, batch, head, a.seqlen_q, a.seqlen_k) ||

@@ -93,10 +93,14 @@ struct Sm90Barriers {
 
 // One tile: BLOCK_M query rows of one (batch, head), and the KV blocks they see: n_blocks of
 // them from block n_first on (visited last to first).
+// With a block mask the blocks are those of its lists instead (sparse, partial ones first); its
+// pointers are null otherwise, a constant that folds away, so plain kernels keep their code.
 struct TileWork {
     int head, batch, row0, q_rows, n_first, n_blocks;
+    SparseRow sparse;
     // The first key column of the tile's i-th KV block in visiting order.
     __device__ __forceinline__ int col0(int i, int block_n) const {
+        if (sparse.partial != nullptr) return sparse.block(i) * block_n;
         return (n_first + n_blocks - 1 - i) * block_n;
     }
 };
@@ -104,7 +108,8 @@ struct TileWork {
 // The one place a tile's KV blocks are decided: the producer's loads, the consumers' steps and
 // the ring positions of later tiles all follow it. Causal is aligned bottom-right (query i sees
 // keys <= i + seqlen_k - seqlen_q); a kv_range narrows that to [kv_lo, kv_hi) of the tile's rows
-// (n_first is a compile-time 0 without one), as in flash_fwd_sm80.cuh.
+// (n_first is a compile-time 0 without one), as in flash_fwd_sm80.cuh; a block mask gives the
+// blocks itself (its classify kernel folded causal, the sequence ends and any kv range in).
 template <class C, class Mods>
 __device__ __forceinline__ TileWork tile_work(const FwdArgs<typename C::Elem>& a, const Mods& mods,
                                               int m_block, int head, int batch) {
@@ -113,6 +118,10 @@ __device__ __forceinline__ TileWork tile_work(const FwdArgs<typename C::Elem>& a
     int kv_end = a.seqlen_k;
     if constexpr (C::kCausal) kv_end = min(kv_end, row0 + q_rows + a.seqlen_k - a.seqlen_q);
     int n_first = 0, n_blocks = kv_end > 0 ? cdiv(kv_end, C::kBlockN) : 0;
+    if constexpr (Mods::kBlockSparse) {
+        const SparseRow sparse = mods.sparse_row(batch, head, m_block);
+        return TileWork{head, batch, row0, q_rows, 0, sparse.n_blocks, sparse};
+    }
     if constexpr (Mods::kKvRange) {
         const int q_last = row0 + q_rows - 1;
         const int lo = max(0, mods.kv_lo(row0, q_last, batch, head, a.seqlen_q, a.seqlen_k));
@@ -120,7 +129,7 @@ __device__ __forceinline__ TileWork tile_work(const FwdArgs<typename C::Elem>& a
         n_first = lo / C::kBlockN;
         n_blocks = kv_end > lo ? cdiv(kv_end, C::kBlockN) - n_first : 0;
     }
-    return TileWork{head, batch, row0, q_rows, n_first, n_blocks};
+    return TileWork{head, batch, row0, q_rows, n_first, n_blocks, SparseRow{nullptr, nullptr, 0, 0}};
 }
 
 // The tiles one CTA computes, in order. Not persistent: the one tile of its blockIdx (causal: the
@@ -260,17 +269,21 @@ __device__ __forceinline__ void modify_scores(float (&acc_s)[C::kBlockN / 2],
 
 // Keys past seqlen_k, for causal past each row's diagonal (bottom-right aligned: row r sees keys
 // <= r + seqlen_k - seqlen_q), and those the mask_mod hides get -inf. Only blocks that straddle a
-// boundary pay for the built-in masks, and only blocks outside the full range for the mask_mod.
+// boundary pay for the built-in masks, and only blocks outside the full range for the mask_mod
+// (with a block mask: only its partially visible blocks, the first w.sparse.n_partial of the
+// tile's visiting order; `block` is this one's index in it).
 template <class C, class Mods>
 __device__ __forceinline__ void mask_scores(float (&acc_s)[C::kBlockN / 2],
                                             const FwdArgs<typename C::Elem>& a, const Mods& mods,
                                             const TileWork& w, FullRange full, int col0,
-                                            int wg_row0, int lane_row) {
+                                            int wg_row0, int lane_row, int block) {
     bool need_mask = col0 + C::kBlockN > a.seqlen_k;
     if constexpr (C::kCausal)
         need_mask |= col0 + C::kBlockN - 1 > wg_row0 + a.seqlen_k - a.seqlen_q;
     bool need_mod_mask = Mods::kMaskMod;
-    if constexpr (Mods::kMaskMod && Mods::kKvRange)
+    if constexpr (Mods::kMaskMod && Mods::kBlockSparse)
+        need_mod_mask = block < w.sparse.n_partial;
+    else if constexpr (Mods::kMaskMod && Mods::kKvRange)
         need_mod_mask = col0 < full.lo || col0 + C::kBlockN > full.hi;
     if (!need_mask && !need_mod_mask) return;
     const int lane_col = col0 + 2 * (threadIdx.x % 4);
@@ -404,14 +417,15 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     const int wg_row0 = row0 + wg * 64;
     const int lane_row = wg_row0 + warp * 16 + lane / 4;  // this thread's rows: lane_row, +8
     FullRange full{0, 1 << 30};
-    if constexpr (Mods::kMaskMod && Mods::kKvRange) full = full_range<C>(a, mods, w, wg_row0);
+    if constexpr (Mods::kMaskMod && Mods::kKvRange && !Mods::kBlockSparse)
+        full = full_range<C>(a, mods, w, wg_row0);
 
     // Wait for S of block i; then its K slot is free.
     const auto finish_qk = [&](int i) {
         fence_operands(acc_s);
         if (lane == 0) mbarrier_arrive(bar.empty_k(stage(i)));
         if constexpr (Mods::kScoreMod) modify_scores<C>(acc_s, a, mods, w, col0(i), lane_row);
-        mask_scores<C>(acc_s, a, mods, w, full, col0(i), wg_row0, lane_row);
+        mask_scores<C>(acc_s, a, mods, w, full, col0(i), wg_row0, lane_row, i);
     };
     const auto fence_pv_operands = [&] {
         fence_operands(acc_o);
