@@ -13,7 +13,7 @@ from kernelgen import env, tma
 
 SPEC = "flash_attn_bwd_sm90"
 HEAD_DIMS = (64, 128)   # the spec's head_dim values
-_EMPTY_MAP = bytes(tma.MAP_BYTES)  # for an empty K/V: the grid is empty, nothing loads from it
+_EMPTY_MAP = bytes(tma.MAP_BYTES)  # for empty Q or K/V
 _CAPABILITIES: dict[int, tuple[int, int]] = {}
 
 
@@ -38,8 +38,8 @@ def is_sm90(kernel) -> bool:
 
 def tensor_maps(kernel, q, k, v, dout) -> tuple:
     """(tma.TiledMap, tensor) for Q, K, V and dO, in the kernel's argument order; all-zero maps
-    when K/V are empty. A pair is what the emulator takes; `encode` makes the launch's bytes."""
-    if not k.shape[1]:
+    when Q or K/V are empty. A pair is what the emulator takes; `encode` makes the launch's bytes."""
+    if not q.numel() or not k.numel():  # no CTA loads anything (maybe not even a valid address)
         return tuple((_EMPTY_MAP, t) for t in (q, k, v, dout))
     config = kernel.config
     dtype = kernel.variant["dtype"]

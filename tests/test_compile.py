@@ -169,3 +169,37 @@ def test_long_logs_are_trimmed_in_the_message():
 def test_nvrtc_version():
     major, minor = compiler.nvrtc_version()
     assert major >= 12 and minor >= 0
+
+
+# ---- the Hopper backward (flash_attn_bwd_sm90): every shipped variant's SASS -------------------
+# tests/test_build.py compiles every shipped variant and checks spills and tensor ops; this checks
+# the structure of the warp-specialized wgmma kernel (stages 3 too, which no default uses).
+
+def _bwd_sm90_builds():
+    from kernelgen.spec import load_spec
+
+    spec = load_spec("flash_attn_bwd_sm90")
+    builds = [(v, spec.default_config(v)) for v in spec.variants()]
+    builds += [(v, spec.parse_config({**c.as_dict(), "stages": 3})) for v, c in builds
+               if v["dtype"] == "bf16"]
+    return spec, builds
+
+
+@pytest.mark.parametrize("index", range(len(_bwd_sm90_builds()[1])))
+def test_bwd_sm90_sass(cache_dir, index):
+    from kernelgen import render
+
+    spec, builds = _bwd_sm90_builds()
+    variant, config = builds[index]
+    assert not spec.violations(variant, config)
+    source = render.render(spec, variant, config)
+    binary = compiler.compile_source(source.text, source.name, source.entry, variant.arch)
+    found = sass.mnemonics(sass.sass(binary.cubin))
+    head_dim, block_m, block_n = variant["head_dim"], config["block_m"], config["block_n"]
+    # S^T and dP^T: head_dim / 16 steps each; dV and dK: block_m / 16 each; dQ: block_n / 16.
+    assert found["HGMMA"] == 2 * head_dim // 16 + 2 * block_m // 16 + block_n // 16
+    assert found["USETMAXREG"] == 2        # the producer's dec and the consumers' inc
+    assert found["UTMALDG"] == 4           # K and V once, Q and dO per ring slot
+    assert found["LDL"] + found["STL"] == 0
+    assert (binary.spill_stores, binary.spill_loads, binary.stack_bytes) == (0, 0, 0)
+    assert "(C75" not in binary.log, binary.log
