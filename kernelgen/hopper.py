@@ -2,32 +2,41 @@
 
 `flash_attn_func` runs it on compute capability 9.0 (kernelgen.ops.forward_family); this module
 holds what only this family needs, the tensor maps, and an explicit entry point that takes a
-config. The kernel takes the sm80 family's arguments plus three tensor maps (kernelgen/tma.py)
-whose layouts a launch plan keeps; per call only the addresses change (tma.encode).
+config. The kernel takes the sm80 family's arguments plus four tensor maps (kernelgen/tma.py: Q,
+K, V, and O for the configs that store it by TMA) whose layouts a launch plan keeps; per call only
+the addresses change (tma.encode).
 """
 from __future__ import annotations
 
 from kernelgen import ops, tma
 
 SPEC = ops.FAMILIES["sm90"]
-_EMPTY_MAP = bytes(tma.MAP_BYTES)  # for an empty K/V: no CTA loads from it
+_EMPTY_MAP = bytes(tma.MAP_BYTES)  # for an empty K/V, or an O the kernel does not store by TMA
+O_STORE_ROWS = 64                  # one consumer warpgroup's rows: a TMA store's box
 
 
 def tensor_maps(kernel, q, k, v) -> tuple:
-    """The map layouts of Q, K, V for `kernel`'s tiles; all-zero maps when K/V are empty."""
+    """The map layouts of Q, K, V and O for `kernel`'s tiles: O's only where the config stores
+    it by TMA (q_buffers 2), for the output every caller makes (torch.empty(q.shape): contiguous);
+    all-zero maps where unused, and all four when K/V are empty (no CTA loads or stores then)."""
     if not k.shape[1]:
-        return (_EMPTY_MAP,) * 3
+        return (_EMPTY_MAP,) * 4
     env = kernel.spec.environment(kernel.variant, kernel.config)
-    dtype = kernel.variant["dtype"]
-    return tuple(tma.attention_map(t.shape, t.stride(), dtype, rows, env["swizzle"])
+    dtype, swizzle = kernel.variant["dtype"], env["swizzle"]
+    maps = tuple(tma.attention_map(t.shape, t.stride(), dtype, rows, swizzle)
                  for t, rows in ((q, env["block_m"]), (k, env["block_n"]), (v, env["block_n"])))
+    if env.get("q_buffers", 1) == 1:
+        return maps + (_EMPTY_MAP,)
+    batch, seqlen, heads, head_dim = q.shape
+    contiguous = (seqlen * heads * head_dim, heads * head_dim, head_dim, 1)
+    return maps + (tma.attention_map(q.shape, contiguous, dtype, O_STORE_ROWS, swizzle, panels=1),)
 
 
-def encode_maps(layouts: tuple, q, k, v) -> tuple:
-    """The 128-byte maps of `tensor_maps`' layouts at q, k and v's addresses (per call: only the
-    address changes, which tma.encode patches in)."""
+def encode_maps(layouts: tuple, q, k, v, o) -> tuple:
+    """The 128-byte maps of `tensor_maps`' layouts at q, k, v and o's addresses (per call: only
+    the address changes, which tma.encode patches in)."""
     return tuple(m if isinstance(m, bytes) else tma.encode(m, t.data_ptr())
-                 for m, t in zip(layouts, (q, k, v)))
+                 for m, t in zip(layouts, (q, k, v, o)))
 
 
 def flash_attn_forward_sm90(q, k, v, causal: bool = False, softmax_scale: float | None = None, *,
@@ -36,8 +45,8 @@ def flash_attn_forward_sm90(q, k, v, causal: bool = False, softmax_scale: float 
     True)` without autograd: q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k,
     heads_k, head_dim), causal aligned bottom-right. Returns (out like q, lse (batch, heads,
     seqlen_q) float32 in natural log; -inf and a zero output row where a query sees no key).
-    `config`: a mapping of the spec's tune keys (block_m, block_n, stages, schedule) instead of
-    the tuned or default one."""
+    `config`: a mapping of the spec's tune keys (block_m, block_n, stages, schedule, persistent,
+    q_buffers; q_buffers may be left out: 1) instead of the tuned or default one."""
     ops._check_inputs(q, k, v)
     return ops.flash_attn_forward(q, k, v, bool(causal), ops._scale(q, softmax_scale),
                                   family="sm90", config=None if config is None else dict(config))

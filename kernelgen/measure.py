@@ -29,7 +29,8 @@ _POINTERS = ("q", "k", "v", "o", "lse")
 _SCALARS = ("q_stride_b", "q_stride_s", "q_stride_h", "k_stride_b", "k_stride_s", "k_stride_h",
             "v_stride_b", "v_stride_s", "v_stride_h", "o_stride_b", "o_stride_s", "o_stride_h",
             "batch", "heads", "heads_k", "seqlen_q", "seqlen_k", "softmax_scale")
-_MAPS = ("tmap_q", "tmap_k", "tmap_v")   # the Hopper family reads Q, K, V through tensor maps
+# The Hopper family reads Q, K, V through tensor maps, and writes O through one (TMA stores).
+_MAPS = ("tmap_q", "tmap_k", "tmap_v", "tmap_o")
 _PARAMS = ("head_dim", "dtype", "causal")
 CHECK_ROWS = 128
 _LSE_TOLERANCE = 2e-3
@@ -149,8 +150,8 @@ class Workload:
             return {}
         from kernelgen import hopper
 
-        layouts = hopper.tensor_maps(kernel, self.q, self.k, self.v)
-        return dict(zip(_MAPS, hopper.encode_maps(layouts, self.q, self.k, self.v)))
+        layouts = hopper.tensor_maps(kernel, self.q, self.k, self.v)  # O: like q, contiguous
+        return dict(zip(_MAPS, hopper.encode_maps(layouts, self.q, self.k, self.v, self.out)))
 
     def check(self, launch) -> Check:
         self.out.fill_(float("nan"))

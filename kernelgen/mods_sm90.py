@@ -113,7 +113,7 @@ def _launch(plan: _Plan, q, k, v, softmax_scale: float, mod_values: tuple):
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    maps = hopper.encode_maps(plan.maps, q, k, v)
+    maps = hopper.encode_maps(plan.maps, q, k, v, out)
     args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
             batch, heads, k.shape[2], seqlen_q, k.shape[1], float(softmax_scale),

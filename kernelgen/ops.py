@@ -150,7 +150,7 @@ class _Plan:
     device: int
     grid: tuple
     scalars: tuple  # the kernel's arguments after the five pointers
-    maps: tuple     # sm90: the Q, K, V tensor-map layouts (tma.TiledMap, or bytes for none)
+    maps: tuple     # sm90: the Q, K, V, O tensor-map layouts (tma.TiledMap, or bytes for none)
     out_shape: tuple
     lse_shape: tuple
     dtype: torch.dtype
@@ -199,7 +199,7 @@ def _launch(plan: _Plan, q, k, v):
     if plan.maps:
         from kernelgen import hopper
 
-        args += hopper.encode_maps(plan.maps, q, k, v)
+        args += hopper.encode_maps(plan.maps, q, k, v, out)
     plan.kernel.launch(args, plan.grid, plan.device, api._current_stream(plan.device))
     return out, lse
 

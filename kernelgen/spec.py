@@ -219,6 +219,9 @@ class KernelSpec:
     smem: Expr
     content_hash: str
     mods: Mods = Mods()
+    # Tune keys a config may leave out, and the value that stands for them: a key added to a
+    # space later (tuned defaults, tuning DBs and callers' configs written before it lack it).
+    space_defaults: tuple[tuple[str, int], ...] = ()
 
     def _at(self, key: str = "") -> _At:
         return _At(_display(self.path), key)
@@ -286,7 +289,7 @@ class KernelSpec:
             + "; ".join(c.text for c in self.constraints))
 
     def parse_config(self, values: Mapping) -> Config:
-        return _config(self.space, values, self._at("config"))
+        return _config(self.space, values, self._at("config"), self.space_defaults)
 
 
 # ---- loading ------------------------------------------------------------------------------------
@@ -429,20 +432,31 @@ def _arg(value, at: _At) -> Arg:
     return Arg(_identifier(body["name"], at["name"]), kind, ctype)
 
 
-def _space_values(value, at: _At) -> tuple[int, ...]:
-    values = [_integer(v, at[i]) for i, v in enumerate(_list(value, at))]
+def _space_values(value, at: _At) -> tuple[tuple[int, ...], int | None]:
+    """A key's values, and the value a config that omits it means: a list must be given in every
+    config; {values: [...], default: v} may be left out (v stands for it)."""
+    body = _keys(value, at, ("values", "default")) if isinstance(value, dict) else None
+    values_at = at["values"] if body else at
+    values = [_integer(v, values_at[i])
+              for i, v in enumerate(_list(body["values"] if body else value, values_at))]
     for i, v in enumerate(values):
         if v in values[:i]:
-            raise at[i].error(f"value {v} is given twice")
-    return tuple(values)
+            raise values_at[i].error(f"value {v} is given twice")
+    if body is None:
+        return tuple(values), None
+    default = _integer(body["default"], at["default"])
+    if default not in values:
+        raise at["default"].error(f"{default} is not among the values", values)
+    return tuple(values), default
 
 
-def _config(space, values, at: _At) -> Config:
+def _config(space, values, at: _At, defaults=()) -> Config:
     values = _mapping(values, at)
     ranges = dict(space)
     for key in values:
         if key not in ranges:
             raise at[key].error("not a key of the tune space", ranges)
+    values = {**dict(defaults), **values}
     chosen = []
     for key, allowed in space:
         if key not in values:
@@ -600,7 +614,7 @@ def _derived(value, at: _At, names: _Names) -> tuple[tuple[str, Expr], ...]:
     return tuple(derived)
 
 
-def _rules(tune: dict, at: _At, space, known: list[str]):
+def _rules(tune: dict, at: _At, space, known: list[str], space_defaults=()):
     constraints = _list(tune.get("constraints", []), at["constraints"], nonempty=False)
     constraints = tuple(_formula(v, at["constraints"][i], known) for i, v in enumerate(constraints))
     defaults = []
@@ -608,7 +622,7 @@ def _rules(tune: dict, at: _At, space, known: list[str]):
         rule_at = at["defaults"][i]
         rule = _keys(rule, rule_at, ("config",), ("when",))
         defaults.append((_formula(rule.get("when", "true"), rule_at["when"], known),
-                         _config(space, rule["config"], rule_at["config"])))
+                         _config(space, rule["config"], rule_at["config"], space_defaults)))
     return constraints, tuple(defaults)
 
 
@@ -633,11 +647,14 @@ def _parse(path: Path, text: bytes, onto: str | None = None) -> KernelSpec:
                    for key, value in _mapping(top["params"], at["params"]).items())
     tune = _keys(top["tune"], at["tune"], ("space",), ("constraints", "defaults"))
     space_at = at["tune"]["space"]
-    space = tuple((names.define(key, space_at[key]), _space_values(values, space_at[key]))
-                  for key, values in _mapping(tune["space"], space_at).items())
+    keys = {names.define(key, space_at[key]): _space_values(values, space_at[key])
+            for key, values in _mapping(tune["space"], space_at).items()}
+    space = tuple((key, values) for key, (values, _) in keys.items())
+    space_defaults = tuple((key, default) for key, (_, default) in keys.items()
+                           if default is not None)
     derived = _derived(top.get("derived", {}), at["derived"], names)
     known = [*names.defined, "max_smem", "arch_number"]
-    constraints, defaults = _rules(tune, at["tune"], space, known)
+    constraints, defaults = _rules(tune, at["tune"], space, known, space_defaults)
 
     args = _list(top["args"], at["args"], nonempty=False)
     args = tuple(_arg(v, at["args"][i]) for i, v in enumerate(args))
@@ -660,7 +677,7 @@ def _parse(path: Path, text: bytes, onto: str | None = None) -> KernelSpec:
         entry=_identifier(top["entry"], at["entry"]), path=path, template=template,
         archs=_archs(top["archs"], at["archs"]), params=params, args=args, derived=derived,
         space=space, constraints=constraints, defaults=defaults, grid=grid, block=block,
-        smem=smem, content_hash=digest.hexdigest(), mods=mods,
+        smem=smem, content_hash=digest.hexdigest(), mods=mods, space_defaults=space_defaults,
     )
 
 

@@ -6,7 +6,7 @@ seqlen, heads, head_dim) with free strides, become rank-5 maps {panel, seqlen, h
 heads, batch}: a panel is the 64 (128B swizzle) or 32 (64B swizzle) head_dim columns one swizzled
 shared-memory row holds, and the box {panel, rows, head_dim / panel, 1, 1} writes a whole tile as
 consecutive panels in one instruction (ThunderKittens' layout). Rows past the tensor's end are
-zero-filled. Building a `TiledMap` needs no driver (tests check it on CPU); `encode` calls
+zero-filled by a load and left alone by a store (the output's map, box {panel, rows, 1, 1, 1}). Building a `TiledMap` needs no driver (tests check it on CPU); `encode` calls
 cuTensorMapEncodeTiled once per layout and address, and once the driver's maps are seen to hold
 the address in their first word, a new address of a known layout is patched in, not encoded.
 """
@@ -32,9 +32,12 @@ class TiledMap:
     swizzle: int                 # 64 | 128
 
 
-def attention_map(shape, strides, dtype: str, rows: int, swizzle: int) -> TiledMap:
+def attention_map(shape, strides, dtype: str, rows: int, swizzle: int,
+                  panels: int | None = None) -> TiledMap:
     """The map of a (batch, seqlen, heads, head_dim) tensor whose element strides are `strides`,
-    loaded `rows` sequence positions (of one batch and head, every column) at a time."""
+    loaded `rows` sequence positions (of one batch and head, every column) at a time; or, with
+    `panels`, that many panels of them per box (a TMA store of one warpgroup's rows, whose panels
+    are not adjacent in shared memory, copies one panel at a time)."""
     batch, seqlen, heads, head_dim = (int(n) for n in shape)
     stride_b, stride_s, stride_h, stride_d = (int(s) for s in strides)
     if dtype not in DTYPES:
@@ -55,9 +58,13 @@ def attention_map(shape, strides, dtype: str, rows: int, swizzle: int) -> TiledM
                              f"got {value} bytes")
     if not 0 < rows <= MAX_BOX:
         raise ValueError(f"a box holds 1..{MAX_BOX} rows, got {rows}")
+    panels = head_dim // panel if panels is None else panels
+    if not 0 < panels <= head_dim // panel:
+        raise ValueError(f"a box holds 1..{head_dim // panel} panels of head_dim {head_dim}, "
+                         f"got {panels}")
     # A map dimension cannot be empty; a kernel never loads from an empty tensor.
     dims = (panel, max(seqlen, 1), head_dim // panel, max(heads, 1), max(batch, 1))
-    return TiledMap(dtype, dims, byte_strides, (panel, rows, head_dim // panel, 1, 1), swizzle)
+    return TiledMap(dtype, dims, byte_strides, (panel, rows, panels, 1, 1), swizzle)
 
 
 _CACHE: dict[tuple[TiledMap, int], bytes] = {}

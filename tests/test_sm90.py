@@ -26,7 +26,7 @@ def test_arguments_extend_the_sm80_family():
     shared = len(sm80.args)
     assert [(a.name, a.type) for a in SPEC.args[:shared]] == [(a.name, a.type) for a in sm80.args]
     assert [(a.name, a.type) for a in SPEC.args[shared:]] == [
-        ("tmap_q", "tmap"), ("tmap_k", "tmap"), ("tmap_v", "tmap")]
+        ("tmap_q", "tmap"), ("tmap_k", "tmap"), ("tmap_v", "tmap"), ("tmap_o", "tmap")]
     assert SPEC.archs == ("sm_90a",)
     assert {p.name: p.values for p in SPEC.params} == {p.name: p.values for p in sm80.params}
 
@@ -288,17 +288,37 @@ def test_tensor_maps_follow_the_kernel_tiles_and_the_operand_strides():
     variant = spec.variant("sm_90a", head_dim=64, dtype="fp16", causal=True)
 
     class Kernel:
-        def __init__(self, block_m, block_n):
+        def __init__(self, block_m, block_n, **more):
             self.spec, self.variant = spec, variant
             self.config = spec.parse_config({**spec.default_config(variant).as_dict(),
-                                             "block_m": block_m, "block_n": block_n})
+                                             "block_m": block_m, "block_n": block_n, **more})
 
     q = torch.randn(2, 100, 8, 64, dtype=torch.float16)
     kv = torch.randn(2, 8, 300, 64, dtype=torch.float16).transpose(1, 2)   # (b, s, h, d) view
     maps = hopper.tensor_maps(Kernel(192, 96), q, kv, kv)
-    assert [m.box for m in maps] == [(64, 192, 1, 1, 1), (64, 96, 1, 1, 1), (64, 96, 1, 1, 1)]
+    assert [m.box for m in maps[:3]] == [(64, 192, 1, 1, 1), (64, 96, 1, 1, 1), (64, 96, 1, 1, 1)]
     assert maps[0].strides == (8 * 64 * 2, 128, 64 * 2, 100 * 8 * 64 * 2)
     assert maps[1].strides == (64 * 2, 128, 300 * 64 * 2, 8 * 300 * 64 * 2)
     assert maps[1].dims == (64, 300, 1, 8, 2)
+    assert maps[3] == bytes(tma.MAP_BYTES)   # q_buffers 1: O is stored by the threads
     empty = hopper.tensor_maps(Kernel(128, 128), q, kv[:, :0], kv[:, :0])
-    assert empty == (bytes(tma.MAP_BYTES),) * 3
+    assert empty == (bytes(tma.MAP_BYTES),) * 4
+    # q_buffers 2 stores O by TMA: one panel of one warpgroup's 64 rows per box, in the layout of
+    # the output every caller allocates (q's shape, contiguous), whatever q's strides are.
+    strided_q = torch.randn(2, 8, 100, 64, dtype=torch.float16).transpose(1, 2)
+    stored = hopper.tensor_maps(Kernel(128, 128, persistent=1, q_buffers=2), strided_q, kv, kv)[3]
+    assert stored.box == (64, 64, 1, 1, 1) and stored.dims == (64, 100, 1, 8, 2)
+    assert stored.strides == (8 * 64 * 2, 128, 64 * 2, 100 * 8 * 64 * 2)
+
+
+def test_a_tune_key_added_later_may_be_left_out():
+    """Configs from before q_buffers (shipped tuned defaults, tuning DBs, callers) mean 1."""
+    old = {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 1}
+    assert SPEC.parse_config(old) == SPEC.parse_config({**old, "q_buffers": 1})
+    assert dict(SPEC.space)["q_buffers"] == (1, 2)
+    variant = SPEC.variant(head_dim=128, dtype="bf16", causal=False)
+    for config in SPEC.valid_configs(variant):   # a second Q buffer only for a persistent CTA
+        assert config["q_buffers"] == 1 or (config["persistent"] and config["schedule"] > 0)
+    fits = SPEC.parse_config({**old, "block_n": 160, "q_buffers": 2})
+    assert not SPEC.violations(variant, fits)
+    assert SPEC.violations(variant, SPEC.parse_config({**old, "block_n": 176, "q_buffers": 2}))

@@ -56,9 +56,11 @@ def forward(q, k, v, causal, config=None, seed=0, lazy=False, spec=SPEC, mod_arg
     out = torch.full_like(q, float("nan")).contiguous()
     lse = torch.full((batch, heads, seqlen_q), float("nan"))
     maps = {f"tmap_{name}": (tma.attention_map(t.shape, t.stride(), NAMES[q.dtype], rows,
-                                               env["swizzle"]), t)
-            for name, t, rows in (("q", q, env["block_m"]), ("k", k, env["block_n"]),
-                                  ("v", v, env["block_n"]))}
+                                               env["swizzle"], panels), t)
+            for name, t, rows, panels in (("q", q, env["block_m"], None),
+                                          ("k", k, env["block_n"], None),
+                                          ("v", v, env["block_n"], None),
+                                          ("o", out, 64, 1))}   # O: read by q_buffers 2 only
     strides = {f"{name}_stride_{dim}": t.stride(i)
                for name, t in (("q", q), ("k", k), ("v", v), ("o", out))
                for i, dim in enumerate("bsh")}
@@ -117,6 +119,22 @@ CASES = [
     # pingpong: it must not hand out a first turn no warpgroup takes.
     (128, torch.bfloat16, True, (1, 600, 130, 1, 1),
      {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 1}, True),
+    # Two Q buffers, O stored by TMA (q_buffers 2): each CTA runs 3-4 tiles, so a buffer comes
+    # back to a third tile; ragged last query tiles (the store clips rows past seqlen_q: a
+    # warpgroup's box may lie wholly outside), GQA, causal with empty tiles in between, 64B
+    # swizzle (three panels, three stores per warpgroup), and both TMA timings: eager (a buffer
+    # handed back before its store read it is stored refilled) and lazy (a store issued before
+    # every thread's O is in place reads stale data), sm90_store_emu.h.
+    (128, torch.bfloat16, False, (2, 300, 200, 2, 1),
+     {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 2}, False),
+    (128, torch.bfloat16, False, (2, 290, 200, 2, 2),
+     {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 2}, True),
+    (128, torch.float16, True, (1, 300, 330, 4, 2),
+     {"block_m": 128, "block_n": 160, "stages": 2, "schedule": 1, "persistent": 1, "q_buffers": 2}, False),
+    (64, torch.bfloat16, True, (1, 250, 400, 3, 1),
+     {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 2}, True),
+    (96, torch.bfloat16, True, (1, 600, 130, 2, 2),
+     {"block_m": 128, "block_n": 64, "stages": 3, "schedule": 1, "persistent": 1, "q_buffers": 2}, False),
 ]
 
 

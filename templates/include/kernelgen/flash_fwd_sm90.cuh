@@ -23,7 +23,12 @@
 //
 // PERSISTENT: a CTA per SM loops over tiles (TileSchedule); the K/V ring and the barrier phases
 // run on from tile to tile, and empty_q tells the producer when the epilogue (which stages O in
-// the Q tile) is done with Q, so the next tile's K/V loads overlap this tile's epilogue.
+// the Q tile) is done with Q. With one Q buffer (Q_BUFFERS 1) the next tile's Q, and so its first
+// QK^T, waits for this tile's epilogue. Q_BUFFERS 2 (persistent only): tiles use Q buffers in
+// turn (full_q[j] / empty_q[j] per buffer), so tile t+1's Q lands while tile t computes; tile t's
+// epilogue stages O in its own Q buffer and one thread per consumer warpgroup stores it with TMA
+// (the O map), and that thread hands the buffer back (empty_q) only once the store has read it,
+// which it waits for after tile t+1's first block: the store overlaps tile t+1's first GEMMs.
 //
 // Mods (a spec's `mods`, the struct mods.inc.j2 renders; NoMods without): exactly the sm80
 // family's. kv_range bounds the KV blocks of a tile ([kv_lo, kv_hi) of its rows, in tile_work,
@@ -35,6 +40,7 @@
 #include "kernelgen/flash_fwd_sm80.cuh"  // FwdArgs: the argument list both families share
 #include "kernelgen/mbarrier.cuh"
 #include "kernelgen/tma.cuh"
+#include "kernelgen/tma_store.cuh"
 #include "kernelgen/wgmma.cuh"
 
 namespace kg {
@@ -45,7 +51,7 @@ namespace kg {
 // SCHEDULE 0: plain (QK^T, softmax, PV in turn); 1: intra-warpgroup overlap; 2: overlap plus
 // pingpong between the consumer warpgroups (see sm90_consume).
 template <class Elem_, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool CAUSAL,
-          int SCHEDULE, bool PERSISTENT, class QkGemm_, class PvGemm_>
+          int SCHEDULE, bool PERSISTENT, int Q_BUFFERS, class QkGemm_, class PvGemm_>
 struct Sm90Config {
     using Elem = Elem_;
     using QkGemm = QkGemm_;
@@ -56,6 +62,8 @@ struct Sm90Config {
     static constexpr int kSchedule = SCHEDULE;
     static constexpr bool kPingpong = SCHEDULE == 2;
     static constexpr bool kPersistent = PERSISTENT;  // loop over tiles (TileSchedule)
+    static constexpr int kQBuffers = Q_BUFFERS;        // Q tiles used in turn by successive tiles
+    static constexpr bool kTmaStore = Q_BUFFERS == 2;  // O stored from its Q buffer by TMA
     static constexpr int kConsumers = BLOCK_M / 64;          // one warpgroup per 64 query rows
     static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
     // Per-thread register budgets after setmaxnreg (FA3's: 24/240 for 2 consumers, 32/160 for 3).
@@ -66,9 +74,10 @@ struct Sm90Config {
     static constexpr int kPanels = HEAD_DIM / kPanel;
     static constexpr int kStepsPerPanel = kPanel / 16;              // k16 steps inside a panel
     static constexpr u32 kTileQ = BLOCK_M * HEAD_DIM * 2, kTileKV = BLOCK_N * HEAD_DIM * 2;
-    static constexpr u32 kOffK = kTileQ, kOffV = kOffK + STAGES * kTileKV;
+    static constexpr u32 kOffK = Q_BUFFERS * kTileQ, kOffV = kOffK + STAGES * kTileKV;
     static constexpr u32 kOffBarriers = kOffV + STAGES * kTileKV;
-    static constexpr int kBarriers = 2 + 4 * STAGES;  // full_q, empty_q, full_k[], empty_k[], full_v[], empty_v[]
+    // full_q[], empty_q[] (one per Q buffer), full_k[], empty_k[], full_v[], empty_v[]
+    static constexpr int kBarriers = 2 * Q_BUFFERS + 4 * STAGES;
     static constexpr u32 kSmemBytes = 1024 + kOffBarriers + 8 * kBarriers;  // + 1024: realignment
 
     static_assert(BLOCK_M == 128 || BLOCK_M == 192, "two or three consumer warpgroups");
@@ -78,18 +87,27 @@ struct Sm90Config {
     static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "register file");
     static_assert(STAGES >= 2, "a ring of one stage cannot overlap loads with math");
     static_assert(SCHEDULE >= 0 && SCHEDULE <= 2, "plain, overlapped, overlapped + pingpong");
+    static_assert(Q_BUFFERS == 1 || (Q_BUFFERS == 2 && PERSISTENT),
+                  "a second Q buffer serves the next tile of a persistent CTA");
 };
 
 template <class C>
 struct Sm90Barriers {
+    static constexpr int kQ = 2 * C::kQBuffers;  // the Q barriers come first
     u32 base;
-    __device__ __forceinline__ u32 full_q() const { return base; }
-    __device__ __forceinline__ u32 empty_q() const { return base + 8; }
-    __device__ __forceinline__ u32 full_k(int s) const { return base + 8 * (2 + s); }
-    __device__ __forceinline__ u32 empty_k(int s) const { return base + 8 * (2 + C::kStages + s); }
-    __device__ __forceinline__ u32 full_v(int s) const { return base + 8 * (2 + 2 * C::kStages + s); }
-    __device__ __forceinline__ u32 empty_v(int s) const { return base + 8 * (2 + 3 * C::kStages + s); }
+    __device__ __forceinline__ u32 full_q(int j) const { return base + 8 * j; }
+    __device__ __forceinline__ u32 empty_q(int j) const { return base + 8 * (C::kQBuffers + j); }
+    __device__ __forceinline__ u32 full_k(int s) const { return base + 8 * (kQ + s); }
+    __device__ __forceinline__ u32 empty_k(int s) const { return base + 8 * (kQ + C::kStages + s); }
+    __device__ __forceinline__ u32 full_v(int s) const { return base + 8 * (kQ + 2 * C::kStages + s); }
+    __device__ __forceinline__ u32 empty_v(int s) const { return base + 8 * (kQ + 3 * C::kStages + s); }
 };
+
+// The Q buffer of a CTA's `tile`-th tile with work, and the parity of its barriers' phase.
+template <class C>
+__device__ __forceinline__ int q_slot(int tile) { return tile % C::kQBuffers; }
+template <class C>
+__device__ __forceinline__ u32 q_parity(int tile) { return u32(tile / C::kQBuffers) & 1; }
 
 // One tile: BLOCK_M query rows of one (batch, head), and the KV blocks they see: n_blocks of
 // them from block n_first on (visited last to first).
@@ -173,16 +191,17 @@ struct TileSchedule {
 };
 
 // The producer thread, for the `tile`-th tile of this CTA whose first KV block is the ring's
-// `it0`-th: Q once the consumers are done with the previous tile's (its epilogue stages O there),
-// then K and V of every KV block this tile sees, last block first.
+// `it0`-th: Q once the consumers are done with the Q buffer's previous tile (its epilogue stages O
+// there), then K and V of every KV block this tile sees, last block first.
 template <class C>
 __device__ __forceinline__ void sm90_produce(u32 base, Sm90Barriers<C> bar, const TensorMap& map_q,
                                              const TensorMap& map_k, const TensorMap& map_v,
                                              const TileWork& w, int kv_head, int it0, int tile) {
     const int row0 = w.row0, head = w.head, batch = w.batch, n_blocks = w.n_blocks;
-    mbarrier_wait(bar.empty_q(), u32(tile & 1) ^ 1);
-    mbarrier_arrive_expect_tx(bar.full_q(), C::kTileQ);
-    tma_load_5d(base, map_q, bar.full_q(), 0, row0, 0, head, batch, kEvictFirst);
+    const int j = q_slot<C>(tile);
+    mbarrier_wait(bar.empty_q(j), q_parity<C>(tile) ^ 1);
+    mbarrier_arrive_expect_tx(bar.full_q(j), C::kTileQ);
+    tma_load_5d(base + j * C::kTileQ, map_q, bar.full_q(j), 0, row0, 0, head, batch, kEvictFirst);
     for (int i = 0; i < n_blocks; ++i) {
         const int s = (it0 + i) % C::kStages;
         const u32 parity = ((it0 + i) / C::kStages) & 1;
@@ -381,12 +400,13 @@ struct IssueTurns {
 
 // One consumer warpgroup: query rows 64 * wg .. 64 * wg + 63 of the tile.
 // `it0`: the ring position of the tile's first KV block; `tile`: how many tiles this CTA has
-// done (the parity of full_q); `final`: no later tile of this CTA has work (pingpong's last turn).
+// done (its Q buffer and the parity of full_q); `final`: no later tile of this CTA has work
+// (pingpong's last turn).
 template <class C, class Mods>
 __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a, const Mods& mods,
                                              unsigned char* tiles, u32 smem_u32, Sm90Barriers<C> bar,
-                                             IssueTurns<C> turns, const TileWork& w, int it0,
-                                             int tile, bool final) {
+                                             const TensorMap& map_o, IssueTurns<C> turns,
+                                             const TileWork& w, int it0, int tile, bool final) {
     const int wg = turns.wg, row0 = w.row0, q_rows = w.q_rows, n_blocks = w.n_blocks;
     typename C::Elem* o = a.o + w.batch * a.o_stride_b + w.head * a.o_stride_h + row0 * a.o_stride_s;
     float* lse = a.lse + (i64(w.batch) * a.heads + w.head) * a.seqlen_q + row0;
@@ -395,8 +415,10 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     constexpr int kAccS = C::kBlockN / 2, kAccO = C::kHeadDim / 2;  // fp32 registers per thread
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
 
+    const int slot = q_slot<C>(tile);
+    unsigned char* const q_tile = tiles + slot * C::kTileQ;
     // Descriptors of each operand's first k16 step; steps and stages add their byte offset >> 4.
-    const u64 desc_q = desc_k_major<kSw>(smem_u32 + wg * 64 * kSw);
+    const u64 desc_q = desc_k_major<kSw>(smem_u32 + slot * C::kTileQ + wg * 64 * kSw);
     const u64 desc_k = desc_k_major<kSw>(smem_u32 + C::kOffK);
     const u64 desc_v = desc_mn_major<kSw>(smem_u32 + C::kOffV, C::kBlockN * kSw);
     const auto stage = [it0](int i) { return (it0 + i) % C::kStages; };
@@ -432,8 +454,19 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         #pragma unroll
         for (int kk = 0; kk < C::kBlockN / 16; ++kk) fence_operands(p[kk]);
     };
+    // TMA store: the warpgroup's storing thread hands the previous tile's Q buffer back once that
+    // tile's O store has read it; called after this tile's first block, so the store runs behind
+    // its first GEMMs and softmax, and the producer still has a whole tile to load the next Q.
+    const bool storer = threadIdx.x % 128 == 0;
+    const auto release_previous_q = [&] {
+        if constexpr (C::kTmaStore)
+            if (storer && tile > 0) {
+                bulk_wait_group_read<0>();
+                mbarrier_arrive(bar.empty_q(q_slot<C>(tile - 1)));
+            }
+    };
 
-    mbarrier_wait(bar.full_q(), u32(tile & 1));
+    mbarrier_wait(bar.full_q(slot), q_parity<C>(tile));
     if constexpr (C::kSchedule == 0) {
         // Plain: S, softmax, O += P V, one block after the other (the other warpgroups fill in).
         for (int i = 0; i < n_blocks; ++i) {
@@ -444,6 +477,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             wgmma_wait<0>();
             finish_qk(i);
             softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha);
+            if (i == 0) release_previous_q();
             rescale_o<C>(acc_o, alpha);
             pack_p<C>(p, acc_s);
             mbarrier_wait(bar.full_v(stage(i)), parity(i));
@@ -466,6 +500,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         wgmma_wait<0>();
         finish_qk(0);
         softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha);  // O is 0: alpha unused
+        release_previous_q();
         pack_p<C>(p, acc_s);
         for (int i = 1; i < n_blocks; ++i) {
             mbarrier_wait(bar.full_k(stage(i)), parity(i));
@@ -499,8 +534,9 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     }
 
     // Epilogue: O /= l, LSE = (m*c + log2 l) * ln2; rows with l == 0 saw no key: O = 0, LSE = -inf.
-    // O is staged in this warpgroup's own rows of the Q tile (every warp of it is past its last
-    // QK^T once the named barrier opens), then each warp stores its 16 rows in 16-byte chunks.
+    // O is staged in this warpgroup's own rows of its Q tile (every warp of it is past its last
+    // QK^T once the named barrier opens), then each warp stores its 16 rows in 16-byte chunks, or
+    // (kTmaStore) one thread stores the warpgroup's 64 rows by TMA, one box per panel.
     named_barrier_sync(1 + wg, 128);
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -514,8 +550,23 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             lse[r] = empty ? neg_inf() : (row_max[h] * scale_log2 + log2_approx(l)) * kLn2;
         #pragma unroll
         for (int i = 0; i < C::kHeadDim / 8; ++i)
-            *reinterpret_cast<u32*>(tiles + panel_offset<C>(C::kBlockM, r, i * 8 + 2 * (lane % 4))) =
+            *reinterpret_cast<u32*>(q_tile + panel_offset<C>(C::kBlockM, r, i * 8 + 2 * (lane % 4))) =
                 pack2<Elem>(acc_o[4 * i + 2 * h] * inv, acc_o[4 * i + 2 * h + 1] * inv);
+    }
+    if constexpr (C::kTmaStore) {
+        // The TMA reads what the generic proxy wrote: fence, then every thread's O is in place.
+        // Rows past seqlen_q fall outside the map and are not written.
+        fence_proxy_async_shared();
+        named_barrier_sync(1 + wg, 128);
+        if (storer) {
+            const u32 rows = smem_u32 + slot * C::kTileQ + wg * 64 * kSw;
+            #pragma unroll
+            for (int panel = 0; panel < C::kPanels; ++panel)
+                tma_store_5d(map_o, rows + panel * C::kBlockM * kSw, 0, row0 + wg * 64, panel,
+                             w.head, w.batch);
+            bulk_commit_group();
+        }
+        return;  // the buffer goes back to the producer in the next tile (release_previous_q)
     }
     __syncwarp();
     constexpr int kChunks = C::kHeadDim / 8;  // 16-byte chunks per row
@@ -524,12 +575,12 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         const int r = wg * 64 + warp * 16 + idx / kChunks, c = (idx % kChunks) * 8;
         if (r < q_rows)
             *reinterpret_cast<uint4*>(o + r * a.o_stride_s + c) =
-                *reinterpret_cast<const uint4*>(tiles + panel_offset<C>(C::kBlockM, r, c));
+                *reinterpret_cast<const uint4*>(q_tile + panel_offset<C>(C::kBlockM, r, c));
     }
     // The staging reads are done: the next tile's Q may land here (one arrival per warp).
     fence_proxy_async_shared();
     __syncwarp();
-    if (lane == 0) mbarrier_arrive(bar.empty_q());
+    if (lane == 0) mbarrier_arrive(bar.empty_q(slot));
 }
 
 // A tile whose rows all see no key: O = 0, LSE = -inf, by `threads` threads numbered from 0.
@@ -546,7 +597,8 @@ __device__ __forceinline__ void write_empty_tile(const FwdArgs<typename C::Elem>
 template <class C, class Mods = NoMods>
 __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& a,
                                                const TensorMap& map_q, const TensorMap& map_k,
-                                               const TensorMap& map_v, const Mods& mods = Mods{}) {
+                                               const TensorMap& map_v, const TensorMap& map_o,
+                                               const Mods& mods = Mods{}) {
     extern __shared__ __align__(1024) unsigned char smem[];
 
     const TileSchedule<C, Mods> tiles_of_cta(a, mods);
@@ -564,8 +616,11 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
     unsigned char* tiles = smem + (base - raw);
     const Sm90Barriers<C> bar{base + C::kOffBarriers};
     if (threadIdx.x == 0) {
-        mbarrier_init(bar.full_q(), 1);
-        mbarrier_init(bar.empty_q(), 4 * C::kConsumers);  // one arrival per consumer warp
+        for (int j = 0; j < C::kQBuffers; ++j) {
+            mbarrier_init(bar.full_q(j), 1);
+            // One arrival per consumer warp, or per warpgroup's storing thread (kTmaStore).
+            mbarrier_init(bar.empty_q(j), C::kTmaStore ? C::kConsumers : 4 * C::kConsumers);
+        }
         for (int s = 0; s < C::kStages; ++s) {
             mbarrier_init(bar.full_k(s), 1);
             mbarrier_init(bar.full_v(s), 1);
@@ -576,7 +631,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
     }
     __syncthreads();  // the last CTA-wide barrier: the producer's idle threads exit below
 
-    // `it`: KV blocks through the ring so far; `done`: tiles with work so far (Q's phase).
+    // `it`: KV blocks through the ring so far; `done`: tiles with work so far (Q's buffer, phase).
     int it = 0, done = 0;
     if (threadIdx.x < 128) {
         setmaxnreg_dec<C::kProducerRegs>();
@@ -584,6 +639,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
             tma_prefetch(map_q);
             tma_prefetch(map_k);
             tma_prefetch(map_v);
+            if constexpr (C::kTmaStore) tma_prefetch(map_o);
             for (int t = tiles_of_cta.first(); t < tiles_of_cta.count; t += tiles_of_cta.step()) {
                 const TileWork w = tiles_of_cta.at(a, t);
                 if (w.n_blocks == 0) continue;
@@ -608,11 +664,14 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
             write_empty_tile<C>(a, w, threadIdx.x - 128, C::kThreads - 128);
             continue;
         }
-        sm90_consume<C>(a, mods, tiles, base, bar, turns, w, it, done,
+        sm90_consume<C>(a, mods, tiles, base, bar, map_o, turns, w, it, done,
                         !tiles_of_cta.more_work(a, t));
         it += w.n_blocks;
         ++done;
     }
+    // The last tile's O store must have read shared memory before the CTA gives it up.
+    if constexpr (C::kTmaStore)
+        if (threadIdx.x % 128 == 0) bulk_wait_group_read<0>();
 }
 
 }  // namespace kg
