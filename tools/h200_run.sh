@@ -30,6 +30,14 @@ for step in $STEPS; do
              KERNELGEN_FORWARD=sm80 gpu_tests tests/test_blockmask_gpu.py | tee "$OUT/blockmask80.log" | tail -4 ;;
     tunemodsdb) timeout $T python3 tools/tune_mods.py --export "$OUT/tuned_mods.json" ${TUNE_MODS_ARGS} 2>&1 \
                | tee "$OUT/tune_mods.log" | grep -v '^\[' ;;
+    ncu)     for target in "flash_attn_fwd_sm90:" "cudnn:--sdpa cudnn"; do
+               kernel=${target%%:*}; args=${target#*:}
+               timeout $T ncu --clock-control none -k regex:${NCU_KERNEL:-$kernel} -c 1 --launch-skip 3 \
+                 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+                 --section SchedulerStats --section LaunchStats \
+                 python3 tools/profile_fwd.py $args ${PROFILE_ARGS} 2>&1 | tee -a "$OUT/ncu.log" \
+                 | grep -E "Throughput|Pipe|Stall|Issue|Eligible|Active Warps|Registers|Duration|SM Frequency|Block Size|Grid Size|==PROF==|sm90|cudnn" | head -60
+             done ;;
     pytest)  gpu_tests ${PYTEST_ARGS} | tee -a "$OUT/pytest.log" | tail -30 ;;
     sm90)    gpu_tests tests/test_sm90_gpu.py | tee "$OUT/sm90.log" | tail -30 ;;
     memcheck) timeout $T compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
