@@ -123,12 +123,13 @@ def test_forward_sm90_launches_the_hopper_kernel_with_the_mod_args_last(no_gpu):
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (2, 4, 300)
     (kernel, values, grid), = launches
     assert kernel.spec.name == "flash_attn_document__flash_attn_fwd_sm90"
-    assert kernel.config.as_dict() == config and not problems   # an explicit config: no lookup
+    assert kernel.config.as_dict() == {**config, "q_buffers": 1} and not problems   # explicit: no lookup
     assert grid == (5, 1, 1)   # persistent: min(3 query tiles * 4 heads * 2, sm_count)
     names = [a.name for a in kernel.spec.args]
     named = dict(zip(names, values))
     assert named["doc_q"] == doc_q.data_ptr() and named["doc_k"] == doc_k.data_ptr()
-    assert names[-2:] == ["doc_q", "doc_k"] and names[-5:-2] == ["tmap_q", "tmap_k", "tmap_v"]
+    assert names[-2:] == ["doc_q", "doc_k"]
+    assert names[-6:-2] == ["tmap_q", "tmap_k", "tmap_v", "tmap_o"]
     assert named["tmap_k"] == k.data_ptr().to_bytes(8, "little") * 16
     assert (named["seqlen_q"], named["seqlen_k"], named["heads_k"], named["softmax_scale"]) == (
         300, 200, 2, 0.125)

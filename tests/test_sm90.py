@@ -219,6 +219,13 @@ OTHER_CONFIGS = [  # (head_dim, causal, config)
     (128, True, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 1}),
     (256, True, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 0, "persistent": 1}),
     (64, False, {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 1}),
+    # Two Q buffers, O stored by TMA: the largest hd128 tile that fits, 3 consumers, 64B swizzle.
+    (128, False, {"block_m": 128, "block_n": 160, "stages": 2, "schedule": 2, "persistent": 1,
+                  "q_buffers": 2}),
+    (64, True, {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 1,
+                "q_buffers": 2}),
+    (96, True, {"block_m": 128, "block_n": 128, "stages": 3, "schedule": 1, "persistent": 1,
+                "q_buffers": 2}),
 ]
 BUILDS = [(v, SPEC.default_config(v)) for v in BF16_VARIANTS] + [
     (SPEC.variant(head_dim=d, dtype="bf16", causal=c), SPEC.parse_config(cfg))
@@ -250,6 +257,9 @@ def test_sass_of_a_warp_specialized_wgmma_kernel(built, variant, config):
     assert found["HGMMA"] == gemm_steps * (1 if config["schedule"] == 0 else 2)
     assert found["USETMAXREG"] == 2         # the producer's dec and the consumers' inc
     assert found["UTMALDG"] == 3            # Q, K and V, each one TMA load per tile
+    # q_buffers 2: O by TMA stores, one per panel of head_dim (a warpgroup's rows of a panel).
+    panels = variant["head_dim"] // (64 if variant["head_dim"] % 64 == 0 else 32)
+    assert found["UTMASTG"] == (panels if config["q_buffers"] == 2 else 0)
     assert not sass.has_local_memory(code)
     assert (binary.spill_stores, binary.spill_loads, binary.stack_bytes) == (0, 0, 0)
     # ptxas found nothing to serialize: no wgmma.wait_group of its own (C7517) either.

@@ -44,16 +44,17 @@ def emulated_wgmma(text: str) -> str:
     return text
 
 
-def forward(q, k, v, causal, config=None, seed=0, lazy=False, spec=SPEC, mod_args=None):
+def forward(q, k, v, causal, config=None, seed=0, lazy=False, spec=SPEC, mod_args=None, out=None):
     """The emulated kernel of `spec` (this family, or a mods spec put onto it), with the mod
-    arguments `mod_args` by name (tensors for `ptr`); returns (out, lse)."""
+    arguments `mod_args` by name (tensors for `ptr`); returns (out, lse). `out`: where O goes
+    (default: a fresh NaN-filled tensor like q)."""
     head_dim = q.shape[-1]
     variant = spec.variant(head_dim=head_dim, dtype=NAMES[q.dtype], causal=causal)
     config = spec.default_config(variant) if config is None else spec.parse_config(config)
     assert not spec.violations(variant, config)
     env = spec.environment(variant, config)
     batch, seqlen_q, heads, _ = q.shape
-    out = torch.full_like(q, float("nan")).contiguous()
+    out = torch.full_like(q, float("nan")).contiguous() if out is None else out
     lse = torch.full((batch, heads, seqlen_q), float("nan"))
     maps = {f"tmap_{name}": (tma.attention_map(t.shape, t.stride(), NAMES[q.dtype], rows,
                                                env["swizzle"], panels), t)
@@ -156,3 +157,17 @@ def test_strided_view_with_64b_swizzle():
     q, k, v = qkv[:, 20:, 0], qkv[:, :, 1], qkv[:, :, 2]
     assert not q.is_contiguous()
     check(q, k, v, True, seed=5, lazy=True)
+
+
+def test_tma_store_leaves_rows_past_seqlen_alone():
+    """q_buffers 2 with O a view into a NaN-filled buffer whose rows past seqlen_q are guards: the
+    last query tile's store (one warpgroup's box partly, the other's wholly past seqlen_q) clips
+    at O's extent, so no guard row is written (emulate.py also fails a write outside tensors)."""
+    torch.manual_seed(7)
+    q = make(2, 150, 2, 64)
+    k, v = (make(2, 200, 1, 64) for _ in range(2))
+    big = torch.full((2, 192, 2, 64), float("nan"), dtype=torch.bfloat16)
+    config = {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 1, "persistent": 1,
+              "q_buffers": 2}
+    check(q, k, v, False, config=config, seed=7, lazy=False, out=big[:, :150])
+    assert big[:, 150:].isnan().all(), "a padding row reached memory past seqlen_q"

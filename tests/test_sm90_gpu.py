@@ -73,6 +73,14 @@ CONFIGS = [
     (128, {"block_m": 128, "block_n": 128, "stages": 3, "schedule": 1, "persistent": 1}),
     (64, {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 1}),
     (256, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 0, "persistent": 1}),
+    # Two Q buffers and the TMA-store epilogue (q_buffers 2): 2 and 3 consumer warpgroups, 128B
+    # and 64B swizzle (hd96: three panels), 2 and 3 stages, both overlapped schedules.
+    (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 2}),
+    (128, {"block_m": 128, "block_n": 160, "stages": 2, "schedule": 1, "persistent": 1, "q_buffers": 2}),
+    (128, {"block_m": 128, "block_n": 96, "stages": 3, "schedule": 2, "persistent": 1, "q_buffers": 2}),
+    (64, {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 2}),
+    (96, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 1, "q_buffers": 2}),
+    (192, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 1, "persistent": 1, "q_buffers": 2}),
 ]
 
 
@@ -172,7 +180,7 @@ def test_flash_attn_func_runs_the_hopper_family_here(monkeypatch):
     for t in tensors[:2]:
         ops.flash_attn_func(t, t, t)
     plan = next(iter(ops._PLANS.values()))
-    assert plan.kernel.spec.name == "flash_attn_fwd_sm90" and len(plan.maps) == 3
+    assert plan.kernel.spec.name == "flash_attn_fwd_sm90" and len(plan.maps) == 4
     assert tma._PATCHABLE is True, "this driver's tensor maps do not keep the address in word 0"
 
     def fail(*args, **kwargs):
@@ -180,6 +188,42 @@ def test_flash_attn_func_runs_the_hopper_family_here(monkeypatch):
 
     monkeypatch.setattr(tma, "_encode", fail)
     check(tensors[2], tensors[2], tensors[2], False)
+
+
+Q_BUFFERS_2 = {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 1,
+               "q_buffers": 2}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_tma_store_leaves_rows_past_seqlen_alone(causal):
+    """The TMA store clips at O's extent: with O a view into a NaN-filled buffer whose rows past
+    seqlen_q (of every batch, and past the last) are guards, the ragged last tiles' padding rows
+    reach none of them, and every row of O is written."""
+    from kernelgen import api, hopper, ops, tma
+
+    torch.manual_seed(6)
+    batch, seqlen_q, seqlen_k, heads, heads_k, head_dim = 3, 201, 333, 4, 2, 128
+    q = make(batch, seqlen_q, heads, head_dim, torch.bfloat16)
+    k, v = (make(batch, seqlen_k, heads_k, head_dim, torch.bfloat16) for _ in range(2))
+    big = torch.full((batch + 1, 256, heads, head_dim), float("nan"), device="cuda",
+                     dtype=torch.bfloat16)
+    out = big[:batch, :seqlen_q]
+    lse = torch.full((batch, heads, seqlen_q), float("nan"), device="cuda")
+    scale = head_dim ** -0.5
+    plan = ops._plan(q, k, v, causal, scale, "sm90", Q_BUFFERS_2)
+    o_map = tma.attention_map(out.shape, out.stride(), "bf16", hopper.O_STORE_ROWS, 128, panels=1)
+    maps = hopper.encode_maps(plan.maps[:3] + (o_map,), q, k, v, out)
+    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+            batch, heads, heads_k, seqlen_q, seqlen_k, scale, *maps)
+    plan.kernel.launch(args, plan.grid, plan.device, api._current_stream(plan.device))
+    torch.cuda.synchronize()
+    assert big[:, seqlen_q:].isnan().all() and big[batch:].isnan().all(), "a guard row was written"
+    assert not out.isnan().any(), "a row of O was not written"
+    out_ref, lse_ref = attention_ref(q, k, v, causal, upcast=True)
+    out_pt, _ = attention_ref(q, k, v, causal, upcast=False)
+    assert max_error(out, out_ref) <= 2 * max_error(out_pt, out_ref) + rounding_allowance(out_ref)
+    assert (lse - lse_ref).abs().max().item() < 2e-3
 
 
 def test_errors_name_the_argument():
