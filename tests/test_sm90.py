@@ -321,6 +321,25 @@ def test_tensor_maps_follow_the_kernel_tiles_and_the_operand_strides():
     assert stored.strides == (8 * 64 * 2, 128, 64 * 2, 100 * 8 * 64 * 2)
 
 
+def test_a_tune_key_with_a_default(write_spec):
+    """tune.space KEY: {values: [...], default: v} may be left out of a config (spec.py)."""
+    from kernelgen.spec import SpecError
+
+    def optional(default):
+        def mutate(doc):
+            doc["tune"]["space"]["unroll"] = {"values": [1, 2], "default": default}
+        return mutate
+
+    toy = load_spec(write_spec(optional(2)))
+    assert toy.parse_config({"block": 32, "warps": 4})["unroll"] == 2
+    assert all(config["unroll"] == 2 for _, config in toy.defaults)
+    assert {config["unroll"] for config in toy.configs()} == {1, 2}
+    with pytest.raises(SpecError, match=r"tune.space.unroll.default: 3 is not among the values"):
+        load_spec(write_spec(optional(3)))
+    with pytest.raises(SpecError, match="config.warps: missing"):   # keys without one: required
+        toy.parse_config({"block": 32})
+
+
 def test_a_tune_key_added_later_may_be_left_out():
     """Configs from before q_buffers (shipped tuned defaults, tuning DBs, callers) mean 1."""
     old = {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 1}
