@@ -171,3 +171,27 @@ def test_tma_store_leaves_rows_past_seqlen_alone():
               "q_buffers": 2}
     check(q, k, v, False, config=config, seed=7, lazy=False, out=big[:, :150])
     assert big[:, 150:].isnan().all(), "a padding row reached memory past seqlen_q"
+
+
+@pytest.mark.parametrize("window, shape, lazy", [
+    ((40, 30), (2, 300, 400, 2, 1), True),    # blocks left and right of the window skipped
+    ((0, 0), (1, 600, 130, 2, 2), False),     # seqlen_q > seqlen_k: tiles with no block between
+], ids=["40-30", "0-0-empty-tiles"])
+def test_q_buffers_with_a_kv_range(window, shape, lazy):
+    """q_buffers 2 under a mods spec's kv_range (the window): tiles with no block are skipped by
+    producer and consumers alike, so the Q buffers still alternate over the tiles with work."""
+    batch, seqlen_q, seqlen_k, heads, heads_k = shape
+    left, right = window
+    torch.manual_seed(left + seqlen_q)
+    q = make(batch, seqlen_q, heads, 64)
+    k, v = (make(batch, seqlen_k, heads_k, 64) for _ in range(2))
+    shift = seqlen_k - seqlen_q
+
+    def visible(b, h, i, j):
+        return (j >= i + shift - left) & (j <= i + shift + right)
+
+    config = {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2, "persistent": 1,
+              "q_buffers": 2}
+    check(q, k, v, False, config=config, seed=left, lazy=lazy,
+          spec=load_spec("flash_attn_window", onto="flash_attn_fwd_sm90"),
+          mod_args={"window_left": left, "window_right": right}, mask_mod=visible)
