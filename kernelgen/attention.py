@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernelgen import api, backward, ops, tune
+from kernelgen import api, backward, blockmask, ops, tune
 from kernelgen.spec import KernelSpec, load_spec
 
 BASE_ARGS = tuple(a.name for a in load_spec(ops.FWD_SPEC).args)
@@ -27,7 +27,7 @@ class AttentionKernel:
         self.spec, self.config = spec, config
         self.variant = spec.variant(arch=spec.archs[0], **params)  # validates the params now
         self.params = self.variant.as_dict()
-        self.mod_args = spec.args[len(BASE_ARGS):]
+        self.mod_args = spec.mods.args  # a block mask's list arguments follow them (block_mask=)
         if arch is None and torch.cuda.is_available():
             arch = api.pick_arch(spec)
         self._kernels: dict[str, api.BoundKernel] = {}
@@ -44,10 +44,29 @@ class AttentionKernel:
                                                    **self.params)
         return bound
 
+    def create_block_mask(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
+                          **mask_args) -> blockmask.BlockMask:
+        """The BlockMask of this kernel's mask_mod for one problem (a spec with
+        mods.block_sparse), built on the GPU of the mod tensors (else the current one); pass it
+        as block_mask= to every call of that problem. mask_args: the spec's mod arguments."""
+        if not self.spec.mods.block_sparse:
+            raise TypeError(f"{self.spec.name} has no mods.block_sparse: true, so its kernels "
+                            "take no block mask")
+        tensors = [x for x in mask_args.values() if isinstance(x, torch.Tensor)]
+        device = tensors[0].device if tensors else torch.device("cuda", torch.cuda.current_device())
+        values = self._mod_values(mask_args, device)
+        return blockmask.create_block_mask(
+            self.spec, self.params, batch, heads, seqlen_q, seqlen_k,
+            dict(zip((a.name for a in self.mod_args), values)), device)
+
     def __call__(self, q, k, v, softmax_scale: float | None = None, return_lse: bool = False,
-                 deterministic: bool = False, **mod_args):
+                 deterministic: bool = False, block_mask: blockmask.BlockMask | None = None,
+                 **mod_args):
         """out (and lse); gradients flow to q, k and v through `out` (the mod arguments get none).
-        deterministic=True: bitwise reproducible gradients (dQ without atomics)."""
+        deterministic=True: bitwise reproducible gradients (dQ without atomics).
+        block_mask: a spec with mods.block_sparse visits only the tiles it lists (built by
+        create_block_mask for this problem); without one each call builds its own."""
+        blockmask.check_argument(block_mask, self.spec)
         wants_grad = torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
         if wants_grad:
@@ -60,21 +79,32 @@ class AttentionKernel:
             raise TypeError(f"q is {q.dtype} but this kernel was built for dtype={self.params['dtype']}")
         values = self._mod_values(mod_args, q.device)
         scale = ops._scale(q, softmax_scale)
+        if self.spec.mods.block_sparse:
+            batch, seqlen_q, heads, _ = q.shape
+            if block_mask is None:
+                block_mask = blockmask.create_block_mask(
+                    self.spec, self.params, batch, heads, seqlen_q, k.shape[1],
+                    dict(zip((a.name for a in self.mod_args), values)), q.device)
+            block_mask.check(self.spec, self.params.get("causal", False), batch, heads, seqlen_q,
+                             k.shape[1], q.device)
         if wants_grad:
-            out, lse = _AttentionFunction.apply(self, scale, bool(deterministic), q, k, v, *values)
+            out, lse = _AttentionFunction.apply(self, scale, bool(deterministic), block_mask,
+                                                q, k, v, *values)
         else:
-            out, lse = self.forward(q, k, v, scale, values)
+            out, lse = self.forward(q, k, v, scale, values, block_mask)
         return (out, lse) if return_lse else out
 
-    def forward(self, q, k, v, scale: float, values: tuple):
-        """(out, lse) on validated inputs, without autograd; values: the mod arguments in order.
+    def forward(self, q, k, v, scale: float, values: tuple, block_mask=None):
+        """(out, lse) on validated inputs, without autograd; values: the mod arguments in order;
+        block_mask: a checked BlockMask (block-sparse specs only).
         On compute capability 9.0 the mods run on the Hopper family (mods_sm90), unless this
         kernel was given a config (its keys are the mma.sync family's)."""
         device = q.device.index
         if self.config is None and ops.forward_family(device) == "sm90":
             from kernelgen import mods_sm90
 
-            return mods_sm90.forward_sm90(self.spec, q, k, v, self.params, scale, values)
+            return mods_sm90.forward_sm90(self.spec, q, k, v, self.params, scale, values,
+                                          block_mask=block_mask)
         q, k, v = ops._aligned(q), ops._aligned(k), ops._aligned(v)
         batch, seqlen_q, heads, head_dim = q.shape
         bound = self._tuned_kernel(api.pick_arch(self.spec, device), device,
@@ -83,13 +113,17 @@ class AttentionKernel:
         lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
         if out.numel():
             extra = _launch_values(values)
+            if block_mask is not None:
+                extra += _launch_values(block_mask.kernel_args(bound.config["block_m"],
+                                                               bound.config["block_n"]))
             scalars = {"batch": batch, "heads": heads, "heads_k": k.shape[2],
                        "seqlen_q": seqlen_q, "seqlen_k": k.shape[1]}
             args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
                     *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
                     batch, heads, k.shape[2], seqlen_q, k.shape[1], scale, *extra)
             bound.launch(args, bound.grid({**scalars, **dict(zip(
-                (a.name for a in self.mod_args), extra))}), device, api._current_stream(device))
+                (a.name for a in self.spec.mods.members), extra))}), device,
+                api._current_stream(device))
         return out, lse
 
     def _tuned_kernel(self, arch: str, device: int, sizes: tuple) -> api.BoundKernel:
@@ -179,11 +213,13 @@ class _AttentionFunction(torch.autograd.Function):
     scalars ride on ctx. The mod arguments get no gradient."""
 
     @staticmethod
-    def forward(ctx, kernel: AttentionKernel, scale: float, deterministic: bool, q, k, v, *values):
-        out, lse = kernel.forward(q, k, v, scale, values)
+    def forward(ctx, kernel: AttentionKernel, scale: float, deterministic: bool, block_mask,
+                q, k, v, *values):
+        out, lse = kernel.forward(q, k, v, scale, values, block_mask)
         tensors = [x for x in values if isinstance(x, torch.Tensor)]
         ctx.save_for_backward(q, k, v, out, lse, *tensors)
         ctx.kernel, ctx.scale, ctx.deterministic = kernel, scale, deterministic
+        ctx.block_mask = block_mask  # its lists for the backward's tiles are built there
         ctx.scalars = tuple(None if isinstance(x, torch.Tensor) else x for x in values)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -194,11 +230,11 @@ class _AttentionFunction(torch.autograd.Function):
         given = iter(tensors)
         values = tuple(next(given) if x is None else x for x in ctx.scalars)
         kernel = ctx.kernel
-        mods = backward.ModArgs(kernel.spec, kernel.variant.params, values)
+        mods = backward.ModArgs(kernel.spec, kernel.variant.params, values, ctx.block_mask)
         dq, dk, dv = backward.flash_attn_backward(
             dout, q, k, v, out, lse, bool(kernel.params.get("causal", False)), ctx.scale,
             ctx.deterministic, mods=mods)
-        return (None, None, None, dq, dk, dv, *(None for _ in values))
+        return (None, None, None, None, dq, dk, dv, *(None for _ in values))
 
 
 def load(spec, *, arch: str | None = None, config=None, **params):

@@ -39,10 +39,12 @@ class _Kernels:
 class ModArgs:
     """The mods of a spec that extends flash_attn_fwd, for its backward: the spec, the params of
     the variant that ran the forward, and the mod arguments' values in the order of
-    spec.mods.args (tensors, or numbers for scalars)."""
+    spec.mods.args (tensors, or numbers for scalars); block_mask: the forward's
+    blockmask.BlockMask for a spec with mods.block_sparse (None: one is built here)."""
     spec: KernelSpec
     params: tuple[tuple[str, object], ...]
     values: tuple
+    block_mask: object = None
 
 
 def check_differentiable(spec: KernelSpec) -> None:
@@ -164,8 +166,32 @@ def flash_attn_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: fl
     batch, seqlen_q, heads, head_dim = q.shape
     kernels = _kernels(head_dim, ops._DTYPES[q.dtype], bool(causal), device, bool(deterministic),
                        (batch, heads, k.shape[2], seqlen_q, k.shape[1]), mods)
+    mod_args, dq_mod_args = _mod_arguments(mods, kernels, q, k)
     return _run(kernels, _launcher(device), dout, q, k, v, out, lse.contiguous(), float(softmax_scale),
-                mod_args=() if mods is None else mods.values)
+                mod_args=mod_args, dq_mod_args=dq_mod_args)
+
+
+def _mod_arguments(mods: ModArgs | None, kernels: _Kernels, q, k) -> tuple[tuple, tuple | None]:
+    """The main and dQ kernels' mod arguments: the values, then for a block-sparse spec the
+    block mask's lists for each kernel's tile (the main kernel's transposed, per KV block)."""
+    if mods is None:
+        return (), None
+    if not mods.spec.mods.block_sparse:
+        return mods.values, None
+    from kernelgen import blockmask
+
+    batch, seqlen_q, heads, _ = q.shape
+    params = dict(mods.params)
+    mask = mods.block_mask
+    if mask is None:
+        mask = blockmask.create_block_mask(
+            mods.spec, params, batch, heads, seqlen_q, k.shape[1],
+            dict(zip((a.name for a in mods.spec.mods.args), mods.values)), q.device)
+    mask.check(mods.spec, params.get("causal", False), batch, heads, seqlen_q, k.shape[1], q.device)
+    tile = lambda kernel: (kernel.config["block_m"], kernel.config["block_n"])  # noqa: E731
+    main = mods.values + mask.kernel_args(*tile(kernels.main), transposed=True)
+    dq = None if kernels.dq is None else mods.values + mask.kernel_args(*tile(kernels.dq))
+    return main, dq
 
 
 def _launcher(device: int):
@@ -203,9 +229,10 @@ def _buffers(q, k, deterministic: bool) -> _Buffers:
 
 
 def _run(kernels: _Kernels, launch, dout, q, k, v, out, lse, scale: float,
-         buffers: _Buffers | None = None, mod_args: tuple = ()):
+         buffers: _Buffers | None = None, mod_args: tuple = (), dq_mod_args: tuple | None = None):
     """The launches, with tensors (None for a null pointer) in each kernel's argument order, the
-    main and dQ kernels' ending with `mod_args` (a spec's mods); returns (dq, dk, dv), the
+    main and dQ kernels' ending with `mod_args` (a spec's mods; the dQ kernel's with
+    `dq_mod_args` when given: a block mask's lists differ per tile); returns (dq, dk, dv), the
     tensors of `buffers` when given."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
@@ -227,5 +254,5 @@ def _run(kernels: _Kernels, launch, dout, q, k, v, out, lse, scale: float,
         launch(kernels.dq, (q, k, v, dout, lse, b.dsum, b.dq,
                             *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
                             *_strides(b.dq), batch, heads, heads_k, seqlen_q, seqlen_k, scale,
-                            *mod_args), sizes)
+                            *(mod_args if dq_mod_args is None else dq_mod_args)), sizes)
     return b.dq, b.dk, b.dv

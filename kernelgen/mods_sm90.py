@@ -39,7 +39,7 @@ _MAX_PLANS = 4096
 
 
 def forward_sm90(spec: str | KernelSpec, q, k, v, params: Mapping, softmax_scale: float,
-                 mod_values: tuple, config: Mapping | None = None):
+                 mod_values: tuple, config: Mapping | None = None, block_mask=None):
     """Attention with `spec`'s mods on the Hopper kernels; returns (out, lse) like
     `flash_attn_func(..., return_lse=True)` without autograd.
 
@@ -56,6 +56,8 @@ def forward_sm90(spec: str | KernelSpec, q, k, v, params: Mapping, softmax_scale
       `ptr` too.
     config: the Hopper spec's tune keys (block_m, block_n, stages, schedule, persistent) instead
       of tune.lookup's answer.
+    block_mask: for a spec with mods.block_sparse, the blockmask.BlockMask of this problem (its
+      lists for the config's tile follow the mod values); None builds one (a classify launch).
     Rows that see no key give 0 and LSE -inf."""
     q, k, v = ops._aligned(q), ops._aligned(k), ops._aligned(v)
     onto = sm90_spec(spec)
@@ -74,6 +76,20 @@ def forward_sm90(spec: str | KernelSpec, q, k, v, params: Mapping, softmax_scale
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[signature] = plan
+    if onto.mods.block_sparse:
+        from kernelgen import blockmask
+
+        batch, seqlen_q, heads, _ = q.shape
+        if block_mask is None:
+            block_mask = blockmask.create_block_mask(
+                onto, params, batch, heads, seqlen_q, k.shape[1],
+                dict(zip((a.name for a in mod_args), mod_values)), q.device)
+        block_mask.check(onto, params.get("causal", False), batch, heads, seqlen_q, k.shape[1],
+                         q.device)
+        lists = block_mask.kernel_args(plan.kernel.config["block_m"], plan.kernel.config["block_n"])
+        values += tuple(_value(onto, arg, x, q.device) for arg, x in zip(onto.mods.block_args, lists))
+    elif block_mask is not None:
+        raise TypeError(f"{onto.name} takes no block_mask: its spec has no mods.block_sparse")
     return _launch(plan, q, k, v, softmax_scale, values)
 
 

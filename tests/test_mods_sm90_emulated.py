@@ -12,6 +12,7 @@ import pytest
 import torch
 from test_sm90_emulated import check, emulate, make
 
+from kernelgen import blockmask
 from kernelgen.spec import REPO_ROOT, load_spec
 
 pytestmark = pytest.mark.skipif(not emulate.available(), reason="the emulator needs g++")
@@ -116,8 +117,13 @@ def test_document_mask(causal, cfg):
     doc_q, doc_k = documents(batch, seqlen_q, 3), documents(batch, seqlen_k, 4)
     doc_q[1, 200:] = 99   # a document with no keys: those rows see nothing
     same = (doc_q[:, :, None] == doc_k[:, None, :])[:, None]   # (batch, 1, seqlen_q, seqlen_k)
-    lse = check(q, k, v, causal, config=cfg, seed=3, lazy=causal,
-                spec=onto("flash_attn_document"), mod_args={"doc_q": doc_q, "doc_k": doc_k},
+    # flash_attn_document is block-sparse: its kernel also takes a block mask's lists.
+    spec = onto("flash_attn_document")
+    lists = blockmask.from_dense(spec, same, causal, batch=batch).kernel_args(
+        cfg["block_m"], cfg["block_n"])
+    lse = check(q, k, v, causal, config=cfg, seed=3, lazy=causal, spec=spec,
+                mod_args={"doc_q": doc_q, "doc_k": doc_k,
+                          **dict(zip((a.name for a in spec.mods.block_args), lists))},
                 mask_mod=lambda *_: same)
     assert torch.all(lse[1, :, 200:] == float("-inf"))
 
