@@ -1,7 +1,9 @@
 """`kernelgen bench --mods`: the shipped modifier specs on the GPU, each timed three ways:
 
   kernelgen  the modified kernel: flash_attn_func(window_size= | softcap= | alibi_slopes=), or
-             kernelgen.load("flash_attn_document", ...) called with per-token document ids
+             kernelgen.load("flash_attn_document", ...) called with per-token document ids and
+             its BlockMask (kernel.create_block_mask), built once per case outside the timed
+             region as flex's is
   plain      kernelgen's unmodified kernel (flash_attn_func) on the same shape and causal mode
   flex       FlexAttention with the same modification: window and document as BlockMasks, built
              once per case outside the timed region; softcap and ALiBi as score_mods (with the
@@ -170,9 +172,11 @@ def build_case(mod: str, causal: bool, batch: int, heads: int, seqlen: int, head
                                 causal=causal)
         mask = create_block_mask(document_mask_mod(ids, causal), batch, None, seqlen, seqlen,
                                  device=device)
+        ours = kernel.create_block_mask(batch, heads, seqlen, seqlen, doc_q=ids, doc_k=ids)
         return Case(mod, f"document(x{len(lengths[0])})", causal,
                     document_pairs(lengths, causal), plain,
-                    lambda q, k, v: kernel(q, k, v, doc_q=ids, doc_k=ids), None, mask)
+                    lambda q, k, v: kernel(q, k, v, doc_q=ids, doc_k=ids, block_mask=ours),
+                    None, mask)
     raise ValueError(f"unknown modifier {mod!r}; allowed: {', '.join(MODS)}")
 
 

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from kernelgen import api, mods_sm90, ops, render, sass, tma, tune
+from kernelgen import api, blockmask, mods_sm90, ops, render, sass, tma, tune
 from kernelgen import compile as compiler
 from kernelgen.spec import REPO_ROOT, load_spec
 
@@ -26,7 +26,7 @@ ONTO = {name: mods_sm90.sm90_spec(name) for name in MOD_SPECS}
 def test_mod_args_follow_the_tensor_maps(name):
     spec, own = ONTO[name], load_spec(name)
     assert spec.name == f"{own.name}__flash_attn_fwd_sm90" and spec.entry == BASE.entry
-    assert spec.args == BASE.args + own.mods.args
+    assert spec.args == BASE.args + own.mods.members   # a block mask's lists last
     assert spec.mods == own.mods and spec.archs == ("sm_90a",)
     # The Hopper spec's tune space (a mods spec's own tune is for the sm80 family's).
     assert spec.space == BASE.space
@@ -118,8 +118,11 @@ def test_forward_sm90_launches_the_hopper_kernel_with_the_mod_args_last(no_gpu):
     doc_q, doc_k = torch.zeros(2, 300, dtype=torch.int32), torch.zeros(2, 200, dtype=torch.int32)
     params = {"head_dim": 64, "dtype": "bf16", "causal": True}
     config = {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2, "persistent": 1}
+    # flash_attn_document is block-sparse: its lists (here from a dense mask) follow the ids.
+    mask = blockmask.from_dense(load_spec("flash_attn_document"),
+                                torch.rand(2, 1, 300, 200) > 0.5, True, batch=2)
     out, lse = mods_sm90.forward_sm90("flash_attn_document", q, k, v, params, 0.125,
-                                      (doc_q.data_ptr(), doc_k), config=config)
+                                      (doc_q.data_ptr(), doc_k), config=config, block_mask=mask)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (2, 4, 300)
     (kernel, values, grid), = launches
     assert kernel.spec.name == "flash_attn_document__flash_attn_fwd_sm90"
@@ -128,8 +131,12 @@ def test_forward_sm90_launches_the_hopper_kernel_with_the_mod_args_last(no_gpu):
     names = [a.name for a in kernel.spec.args]
     named = dict(zip(names, values))
     assert named["doc_q"] == doc_q.data_ptr() and named["doc_k"] == doc_k.data_ptr()
-    assert names[-2:] == ["doc_q", "doc_k"]
-    assert names[-6:-2] == ["tmap_q", "tmap_k", "tmap_v", "tmap_o"]
+    assert names[-9:-7] == ["doc_q", "doc_k"]
+    assert names[-13:-9] == ["tmap_q", "tmap_k", "tmap_v", "tmap_o"]
+    lists = mask.lists(128, 64)
+    assert named["bm_num"] == lists.kv_num.data_ptr()
+    assert named["bm_full_idx"] == lists.full_kv_idx.data_ptr()
+    assert (named["bm_stride_b"], named["bm_stride_h"], named["bm_width"]) == (3, 0, 4)
     assert named["tmap_k"] == k.data_ptr().to_bytes(8, "little") * 16
     assert (named["seqlen_q"], named["seqlen_k"], named["heads_k"], named["softmax_scale"]) == (
         300, 200, 2, 0.125)

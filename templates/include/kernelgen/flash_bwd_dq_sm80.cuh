@@ -8,7 +8,8 @@
 //     dS = P * (dP - D),  dQ_i += dS K_j    (dS from registers: the C layout is the A layout)
 // It recomputes S and dP that the main kernel (flash_bwd_sm80.cuh, run without dq_accum) also
 // computes: two extra GEMMs per tile pair, the price of determinism. A spec's mods apply as in
-// the main kernel (see there), and its kv range picks the KV tiles as in the forward.
+// the main kernel (see there), and its kv range (or block mask) picks the KV tiles as in the
+// forward.
 #pragma once
 #include "kernelgen/flash_bwd_sm80.cuh"  // TileLoader, mask_probs, the mods helpers
 

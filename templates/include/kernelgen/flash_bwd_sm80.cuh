@@ -24,7 +24,8 @@
 // mask_mod hide the pair, and dS = P (dP - D) * score_mod_grad(x) (the chain rule through the
 // score_mod; the one through x is the scale that dK and dQ take at the end, as without mods).
 // A kv range skips the query tiles whose keys miss this KV tile (evaluated per tile, 32 tiles per
-// step, one per lane) and the mask_mod on tiles inside its [full_lo, full_hi).
+// step, one per lane) and the mask_mod on tiles inside its [full_lo, full_hi); a block mask
+// (mods.block_sparse: kernelgen/blockmask.py) lists the query tiles instead, per KV tile.
 #pragma once
 #include "kernelgen/flash_fwd_sm80.cuh"  // TileLoader
 #include "kernelgen/warp_mma.cuh"

@@ -1,0 +1,117 @@
+"""Block masks without a GPU: the spec key, the lists' construction (classify_dense and compact
+on CPU tensors), the arguments a kernel gets, the errors for a mask of the wrong problem (raised
+before any launch), and the classify kernel compiling clean for every variant."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernelgen import blockmask, cache, render
+from kernelgen.spec import BLOCK_SPARSE_ARGS, SpecError, load_spec
+
+SPEC = "flash_attn_document"
+
+
+def write(tmp_path, body: str):
+    path = tmp_path / "mine.yaml"
+    path.write_text("name: mine\nextends: flash_attn_fwd\n" + body)
+    return path
+
+
+def test_block_sparse_adds_the_list_arguments_after_the_mod_args():
+    spec = load_spec(SPEC)
+    names = [a.name for a in spec.args]
+    assert names[-9:] == ["doc_q", "doc_k", *(a.name for a in BLOCK_SPARSE_ARGS)]
+    assert spec.mods.block_sparse and [a.name for a in spec.mods.args] == ["doc_q", "doc_k"]
+    assert "batch" in spec.mods.mask_mod.names and "head" not in spec.mods.mask_mod.names
+    # The classify kernel reads the mask, not the lists; the backward's kernels take them.
+    assert not load_spec(SPEC, onto=str(blockmask.CLASSIFY_SPEC)).mods.block_args
+    assert load_spec(SPEC, onto="flash_attn_bwd").mods.block_sparse
+
+
+def test_block_sparse_needs_a_mask_mod_and_a_boolean(tmp_path):
+    with pytest.raises(SpecError, match="mods.block_sparse: a block mask classifies a mask_mod"):
+        load_spec(write(tmp_path, "mods:\n  score_mod: \"score\"\n  block_sparse: true\n"))
+    with pytest.raises(SpecError, match="mods.block_sparse: expected true or false"):
+        load_spec(write(tmp_path, "mods:\n  mask_mod: \"true\"\n  block_sparse: 1\n"))
+
+
+def test_classify_dense_and_compact():
+    # Documents [0, 5), [5, 12), [12, 16) in 4 x 4 tiles; causal hides what is above the diagonal.
+    docs = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4])
+    visible = (docs[:, :, None] == docs[:, None, :])[:, None]
+    state = blockmask.classify_dense(visible, False, 4, 4)
+    assert state[0, 0].tolist() == [[2, 1, 0, 0], [1, 1, 1, 0], [0, 1, 2, 0], [0, 0, 0, 2]]
+    causal = blockmask.classify_dense(visible, True, 4, 4)
+    assert causal[0, 0].tolist() == [[2, 0, 0, 0], [1, 1, 0, 0], [0, 1, 2, 0], [0, 0, 0, 2]]
+    lists = blockmask.compact(state, 4, 4)
+    assert lists.kv_num[0, 0].tolist() == [1, 3, 1, 0]
+    assert lists.full_kv_num[0, 0].tolist() == [1, 0, 1, 1]
+    assert lists.kv_idx[0, 0, 1, :3].tolist() == [0, 1, 2]
+    assert lists.full_kv_idx[0, 0, 3, :1].tolist() == [3]
+    assert lists.q_num[0, 0].tolist() == [1, 3, 1, 0]      # per KV block: partial query blocks
+    assert lists.q_idx[0, 0, 1, :3].tolist() == [0, 1, 2]
+    assert lists.full_q_idx[0, 0, 2, :1].tolist() == [2]
+    assert all(t.dtype == torch.int32 and t.is_contiguous()
+               for t in (lists.kv_num, lists.kv_idx, lists.q_num, lists.full_q_idx))
+
+
+def test_tail_tiles_count_only_pairs_inside_the_sequences():
+    # 6 x 6 all visible: the 4 x 4 tail tiles are full (their padding is not hidden).
+    state = blockmask.classify_dense(torch.ones(1, 1, 6, 6, dtype=torch.bool), False, 4, 4)
+    assert state.tolist() == [[[[2, 2], [2, 2]]]]
+
+
+def test_kernel_args_strides_by_batch_and_head():
+    spec = load_spec(SPEC)
+    per_batch = blockmask.from_dense(spec, torch.rand(3, 1, 40, 50) > 0.5, False, batch=3)
+    *tensors, stride_b, stride_h, width = per_batch.kernel_args(16, 32)
+    assert tensors[1].shape == (3, 1, 3, 2) and (stride_b, stride_h, width) == (3, 0, 2)
+    *_, stride_b, stride_h, width = per_batch.kernel_args(16, 32, transposed=True)
+    assert (stride_b, stride_h, width) == (2, 0, 3)
+    shared = blockmask.from_dense(spec, torch.rand(1, 1, 40, 50) > 0.5, False)
+    assert shared.kernel_args(16, 32)[4:] == (0, 0, 2)
+    # One set of lists per tile size, built once.
+    assert per_batch.lists(16, 32) is per_batch.lists(16, 32)
+    assert per_batch.lists(32, 32) is not per_batch.lists(16, 32)
+
+
+def test_a_mask_of_another_problem_is_refused_naming_the_argument():
+    spec = load_spec(SPEC)
+    mask = blockmask.from_dense(spec, torch.ones(2, 1, 40, 50, dtype=torch.bool), False, batch=2)
+    cpu = torch.device("cpu")
+    mask.check(spec, False, 2, 8, 40, 50, cpu)   # heads: the mask does not depend on them
+    for args, match in [((spec, True, 2, 8, 40, 50, cpu), "causal"),
+                        ((spec, False, 3, 8, 40, 50, cpu), "batch=2, but the inputs have batch=3"),
+                        ((spec, False, 2, 8, 41, 50, cpu), "seqlen_q=40"),
+                        ((spec, False, 2, 8, 40, 49, cpu), "seqlen_k=50"),
+                        ((spec, False, 2, 8, 40, 50, torch.device("cuda", 0)), "on cpu"),
+                        ((load_spec("flash_attn_window"), False, 2, 8, 40, 50, cpu), "spec")]:
+        with pytest.raises(ValueError, match=match) as info:
+            mask.check(*args)
+        assert "block_mask" in str(info.value)
+    fixed = blockmask.BlockMask(SPEC, False, 2, None, 40, 50, cpu,
+                                built={(16, 32): mask.lists(16, 32)})
+    assert fixed.kernel_args(16, 32)[4:] == (3, 0, 2)
+    with pytest.raises(ValueError, match=r"block_mask has lists for block sizes \[\(16, 32\)\]"):
+        fixed.kernel_args(64, 64)
+
+
+def test_block_mask_argument_checks():
+    spec = load_spec(SPEC)
+    blockmask.check_argument(None, spec)
+    with pytest.raises(TypeError, match="block_mask must be a kernelgen BlockMask"):
+        blockmask.check_argument(torch.zeros(3), spec)
+    with pytest.raises(TypeError, match="takes no block_mask"):
+        blockmask.check_argument(object(), load_spec("flash_attn_window"))
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_classify_kernel_compiles_clean(arch, cache_dir):
+    for name in (SPEC, "flash_attn_window"):
+        spec = load_spec(name, onto=str(blockmask.CLASSIFY_SPEC))
+        for causal in (False, True):
+            variant = spec.variant(arch, head_dim=128, dtype="bf16", causal=causal)
+            binary = cache.compile_cached(
+                render.render(spec, variant, spec.default_config(variant)), arch)
+            assert binary.spill_stores == 0 and binary.stack_bytes == 0
