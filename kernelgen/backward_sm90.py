@@ -9,17 +9,26 @@ mma.sync kernel everywhere.
 """
 from __future__ import annotations
 
+import functools
+
 from kernelgen import env, tma
 
 SPEC = "flash_attn_bwd_sm90"
-HEAD_DIMS = (64, 128)   # the spec's head_dim values
 _EMPTY_MAP = bytes(tma.MAP_BYTES)  # for empty Q or K/V
 _CAPABILITIES: dict[int, tuple[int, int]] = {}
 
 
+@functools.cache
+def head_dims() -> tuple[int, ...]:
+    """The spec's head_dim values (64, 96, 128)."""
+    from kernelgen.spec import load_spec
+
+    return next(p.values for p in load_spec(SPEC).params if p.name == "head_dim")
+
+
 def applies(head_dim: int, device: int, deterministic: bool, has_mods: bool) -> bool:
     """Whether backward runs this kernel as its main kernel on `device` (compute capability 9.0)."""
-    if deterministic or has_mods or head_dim not in HEAD_DIMS:
+    if deterministic or has_mods or head_dim not in head_dims():
         return False
     if env.settings().backward == "sm80":
         return False

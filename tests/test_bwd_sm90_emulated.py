@@ -1,8 +1,8 @@
 """The Hopper backward main kernel (flash_attn_bwd_sm90) on the CPU emulator (tests/emulator,
 sm90_emu.h), launched by backward._run between the prep kernel and the dQ cast, with tensor maps
 from backward_sm90.tensor_maps, against autograd through kernelgen.reference by FlashAttention's
-rule. Seconds per case: small ragged shapes that reach every code path (both head dims, so both
-ways of splitting dQ; causal with seqlen_q > seqlen_k, rows that see no key and KV tiles no query
+rule. Seconds per case: small ragged shapes that reach every code path (every head dim: both
+ways of splitting dQ, 128B and 64B swizzle; causal with seqlen_q > seqlen_k, rows that see no key and KV tiles no query
 sees; GQA; a strided view and a transposed dout; 2 and 3 stages, every ring wrapping), with TMA
 copies landing at issue (eager) or as late as allowed (lazy)."""
 from __future__ import annotations
@@ -111,6 +111,7 @@ CASES = [
     (128, torch.float16, True, (200, 77), (1, 2, 2), 3, False),      # rows that see no key
     (64, torch.bfloat16, True, (70, 300), (2, 3, 1), 2, True),       # MQA, a KV tile no query sees
     (64, torch.float16, False, (90, 130), (1, 1, 1), 3, False),
+    (96, torch.bfloat16, True, (140, 140), (1, 2, 1), 2, False),     # 64B swizzle, dQ N = 96
 ]
 
 

@@ -18,8 +18,8 @@
 //                                              B = K MN-major; then red.global.add into dq_accum
 // dQ needs every key's dS, so both consumers write their dS^T rows to shared memory and meet at a
 // named barrier; then warpgroup w computes head_dim columns w * HEAD_DIM / 2.. of it (head_dim
-// 128), or all of it for the pairs it with it % 2 == w (head_dim 64: half of 64 columns is not a
-// whole 128B panel of K). dS^T is double-buffered by pair parity: a warpgroup writes buffer
+// 128), or all of it for the pairs it with it % 2 == w (head dims 64 and 96: half of head_dim is
+// not a whole number of panels of K). dS^T is double-buffered by pair parity: a warpgroup writes buffer
 // it % 2 only after both passed the barrier of pair it - 1, by which time each had retired its
 // dQ wgmma of pair it - 2, the last reader of that buffer.
 //
@@ -29,8 +29,9 @@
 // on empty with the opposite parity, which a fresh barrier already satisfies.
 //
 // Shared memory (1024-aligned): K | V | STAGES x Q | STAGES x dO | 2 x dS^T | STAGES x (LSE, D) |
-// barriers. Q, K, V, dO tiles are 64-column panels of 128B-swizzled rows as TMA writes them (the
-// forward's layout, flash_fwd_sm90.cuh); dS^T is [key][query] in 64-query panels, the same way.
+// barriers. Q, K, V, dO tiles are panels of 64 (128B-swizzled) or 32 (64B) head_dim columns as
+// TMA writes them (the forward's layout, flash_fwd_sm90.cuh); dS^T is [key][query], one 128B
+// panel of 64 queries.
 #pragma once
 #include "kernelgen/flash_bwd_sm80.cuh"  // BwdArgs, red_add_f32x2
 #include "kernelgen/mbarrier.cuh"
@@ -56,7 +57,10 @@ struct BwdSm90Config {
     static constexpr int kConsumers = BLOCK_N / 64;          // one warpgroup per 64 keys
     static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
     static constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // FA3's backward budgets
-    static constexpr int kSwizzle = 128, kPanel = 64;        // bytes per panel row, columns per panel
+    // Q, K, V, dO: bytes per panel row (64 or, for head dims not a multiple of 64, 32 columns);
+    // dS^T: 128 (BLOCK_M = 64 queries, one panel).
+    static constexpr int kSwizzle = HEAD_DIM % 64 == 0 ? 128 : 64, kDsSwizzle = 128;
+    static constexpr int kPanel = kSwizzle / 2;              // head_dim columns per panel
     static constexpr int kStepsPerPanel = kPanel / 16;       // k16 steps inside a panel
     // dQ split between the consumers: halves of head_dim where each half is whole panels of K
     // (128), else the whole of dQ by one warpgroup, the two taking turns by pair parity (64).
@@ -77,7 +81,8 @@ struct BwdSm90Config {
 
     static_assert(BLOCK_N == 128, "two consumer warpgroups of 64 keys");
     static_assert(BLOCK_M == 64, "dQ's M is one wgmma (and dS^T one 64-query panel)");
-    static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "whole 128B panels; wgmma N <= 256");
+    static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "whole 64B panels; wgmma N <= 256");
+    static_assert(kTileQ % 1024 == 0 && kTileKV % 1024 == 0, "every panel stays 1024-aligned");
     static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "register file");
     static_assert(STAGES >= 2, "a ring of one stage cannot overlap loads with math");
 };
@@ -194,7 +199,7 @@ template <class C>
 __device__ __forceinline__ void issue_dq(float (&acc)[C::kDqN / 2], u64 desc_ds, u64 desc_k) {
     #pragma unroll
     for (int kk = 0; kk < C::kBlockN / 16; ++kk)
-        C::DqGemm::mma(acc, desc_ds + ((kk * 16 * C::kSwizzle) >> 4),
+        C::DqGemm::mma(acc, desc_ds + ((kk * 16 * C::kDsSwizzle) >> 4),
                        desc_k + ((kk * 16 * C::kSwizzle) >> 4), kk > 0);
     wgmma_commit();
 }
@@ -220,11 +225,12 @@ __device__ __forceinline__ void fence_packed(Packed<N>& p) {
     for (int kk = 0; kk < N / 16; ++kk) fence_operands(p.r[kk]);
 }
 
-// Byte offset of element (row, col) of a tile of `rows` rows stored as 64-column panels.
-template <class C>
+// Byte offset of element (row, col) of a tile of `rows` rows stored as panels of SWIZZLE / 2
+// columns.
+template <int SWIZZLE>
 __device__ __forceinline__ u32 panel_offset_bwd(int rows, int row, int col) {
-    return (col / C::kPanel) * rows * C::kSwizzle +
-           swizzle<C::kSwizzle>(row * C::kSwizzle + (col % C::kPanel) * 2);
+    return (col / (SWIZZLE / 2)) * rows * SWIZZLE +
+           swizzle<SWIZZLE>(row * SWIZZLE + (col % (SWIZZLE / 2)) * 2);
 }
 
 // One consumer warpgroup: keys kv0 + 64 * wg .. + 63 of the CTA's tile.
@@ -251,7 +257,7 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
     const u64 desc_do_mn = desc_mn_major<kSw>(base + C::kOffDo, C::kBlockM * kSw);
     // dQ: dS^T (one panel of 64 queries) and this warpgroup's head_dim columns of K.
     const int dq_col0 = C::kDqHalves ? wg * C::kDqN : 0;
-    const u64 desc_ds = desc_mn_major<kSw>(base + C::kOffDs, C::kBlockN * kSw);
+    const u64 desc_ds = desc_mn_major<C::kDsSwizzle>(base + C::kOffDs, C::kBlockN * C::kDsSwizzle);
     const u64 desc_k_mn = desc_mn_major<kSw>(
         base + C::kOffK + (dq_col0 / C::kPanel) * C::kBlockN * kSw, C::kBlockN * kSw);
     const float* stats_all = reinterpret_cast<const float*>(tiles + C::kOffStats);
@@ -269,6 +275,10 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
         const float* dsum = lse2 + C::kBlockM;
         mbarrier_wait(bar.full(s), u32(it / C::kStages) & 1);
 
+        // Zeroed here (the first k-step overwrites them anyway), so that nothing of the last pair
+        // stays live across the loop: the wgmma's "+f" operands would read them.
+        #pragma unroll
+        for (int i = 0; i < kAccS; ++i) acc_s[i] = acc_dp[i] = 0.f;
         fence_operands(acc_s);
         fence_operands(acc_dp);
         wgmma_fence();
@@ -333,8 +343,8 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
         for (int i = 0; i < C::kBlockM / 8; ++i)
             #pragma unroll
             for (int h = 0; h < 2; ++h)
-                *reinterpret_cast<u32*>(ds_tile + panel_offset_bwd<C>(C::kBlockN, lane_key + 8 * h,
-                                                                      lane_col + 8 * i)) =
+                *reinterpret_cast<u32*>(ds_tile + panel_offset_bwd<C::kDsSwizzle>(
+                    C::kBlockN, lane_key + 8 * h, lane_col + 8 * i)) =
                     ds16.r[i / 2][(i % 2) * 2 + h];
         fence_proxy_async_shared();
 
@@ -346,6 +356,8 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
         named_barrier_sync(1, 256);  // both warpgroups' dS^T rows are written
         const bool dq_here = C::kDqHalves || it % 2 == wg;
         if (dq_here) {
+            #pragma unroll
+            for (int i = 0; i < kAccQ; ++i) acc_dq[i] = 0.f;
             fence_operands(acc_dq);
             wgmma_fence();
             issue_dq<C>(acc_dq, desc_ds + (((it % 2) * C::kTileDs) >> 4), desc_k_mn);
@@ -380,7 +392,7 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
     for (int i = 0; i < C::kHeadDim / 8; ++i)
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const u32 at = panel_offset_bwd<C>(C::kBlockN, lane_key + 8 * h, lane_col + 8 * i);
+            const u32 at = panel_offset_bwd<kSw>(C::kBlockN, lane_key + 8 * h, lane_col + 8 * i);
             *reinterpret_cast<u32*>(tiles + C::kOffK + at) =
                 pack2<Elem>(acc_dk[4 * i + 2 * h] * a.softmax_scale,
                             acc_dk[4 * i + 2 * h + 1] * a.softmax_scale);
@@ -396,7 +408,7 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
     for (int idx = lane; idx < 16 * kChunks; idx += 32) {
         const int r = 64 * wg + 16 * warp + idx / kChunks, c = (idx % kChunks) * 8;
         if (r < kv_rows) {
-            const u32 at = panel_offset_bwd<C>(C::kBlockN, r, c);
+            const u32 at = panel_offset_bwd<kSw>(C::kBlockN, r, c);
             *reinterpret_cast<uint4*>(dk + r * a.dk_stride_s + c) =
                 *reinterpret_cast<const uint4*>(tiles + C::kOffK + at);
             *reinterpret_cast<uint4*>(dv + r * a.dv_stride_s + c) =
