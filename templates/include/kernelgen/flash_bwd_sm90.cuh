@@ -75,9 +75,6 @@ struct BwdSm90Config {
     static constexpr int kBarriers = 2 * STAGES + 1;          // full[], empty[], full_kv
     static constexpr u32 kSmemBytes = 1024 + kOffBarriers + 8 * kBarriers;  // + 1024: realignment
     static constexpr int kStatsArrivals = 32;                 // the stats warp's lanes
-    // dV's wgmma overlaps the dS^T math when P^T (fp32 and packed), S^T's and dP^T's registers
-    // and dK, dV fit next to each other (so far every shipped tile: BLOCK_M 64).
-    static constexpr bool kOverlapDv = HEAD_DIM + BLOCK_M + BLOCK_M / 4 <= 208;
 
     static_assert(BLOCK_N == 128, "two consumer warpgroups of 64 keys");
     static_assert(BLOCK_M == 64, "dQ's M is one wgmma (and dS^T one 64-query panel)");
@@ -311,21 +308,13 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
                     if (masked) acc_s[4 * i + e] = 0.f;
                 }
         }
-        const auto issue_dv = [&] {
-            pack_a<Elem>(p16, acc_s);
-            fence_operands(acc_dv);
-            fence_packed(p16);
-            wgmma_fence();
-            issue_dkv<C>(acc_dv, p16.r, desc_do_mn + slot);
-        };
-        // Overlapped: dV += P^T dO runs while dS^T is computed (P^T then lives in fp32 and
-        // packed at once). Otherwise dS^T first, and S^T's registers are free before P^T's.
-        if constexpr (C::kOverlapDv) {
-            issue_dv();
-            wgmma_wait<1>();  // dP^T is done; dV may still run
-        } else {
-            wgmma_wait<0>();
-        }
+        // dV += P^T dO runs while dS^T is computed (P^T lives in fp32 and packed meanwhile).
+        pack_a<Elem>(p16, acc_s);
+        fence_operands(acc_dv);
+        fence_packed(p16);
+        wgmma_fence();
+        issue_dkv<C>(acc_dv, p16.r, desc_do_mn + slot);
+        wgmma_wait<1>();  // dP^T is done; dV may still run
         fence_operands(acc_dp);
         #pragma unroll
         for (int i = 0; i < C::kBlockM / 8; ++i) {
@@ -334,7 +323,6 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
             for (int e = 0; e < 4; ++e)
                 acc_dp[4 * i + e] = acc_s[4 * i + e] * (acc_dp[4 * i + e] - (e & 1 ? d.y : d.x));
         }
-        if constexpr (!C::kOverlapDv) issue_dv();
         pack_a<Elem>(ds16, acc_dp);
 
         // dS^T to this pair's buffer (for dQ), visible to the async proxy before the barrier.
