@@ -152,7 +152,7 @@ class _FakeKernel:
         self.variant = self.spec.variant(head_dim=64, dtype="bf16", causal=True)
         self.params = self.variant.as_dict()
 
-    def forward(self, q, k, v, scale, values):
+    def forward(self, q, k, v, scale, values, block_mask=None):
         slopes, stride_b = values
         assert stride_b == 0
         return attention_ref(q, k, v, True, scale, score_mod=self.score_mod(slopes, q, k))
@@ -180,7 +180,7 @@ def test_autograd_hands_the_mods_to_the_backward(monkeypatch):
     q, k, v = (torch.randn(1, n, h, 64, dtype=torch.bfloat16, requires_grad=True)
                for n, h in ((9, 4), (13, 2), (13, 2)))
     slopes = torch.rand(4)
-    out, lse = attention._AttentionFunction.apply(kernel, 0.125, True, q, k, v, slopes, 0)
+    out, lse = attention._AttentionFunction.apply(kernel, 0.125, True, None, q, k, v, slopes, 0)
     assert not lse.requires_grad
     out.float().square().sum().backward()
     (causal, scale, deterministic, mods), = calls
@@ -193,7 +193,7 @@ def test_autograd_hands_the_mods_to_the_backward(monkeypatch):
     for got, want in zip((q, k, v), leaves):
         assert torch.equal(got.grad, want.grad)
     # A mod tensor changed in place between forward and backward is caught (saved tensors).
-    out, _ = attention._AttentionFunction.apply(kernel, 0.125, False, q, k, v, slopes, 0)
+    out, _ = attention._AttentionFunction.apply(kernel, 0.125, False, None, q, k, v, slopes, 0)
     slopes.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()

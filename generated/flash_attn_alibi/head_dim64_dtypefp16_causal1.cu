@@ -16,6 +16,7 @@ using Config = kg::FwdConfig<elem_t, /*HEAD_DIM=*/64, /*BLOCK_M=*/64,
 static_assert(Config::kSmemBytes == 46080, "spec's smem formula disagrees with the kernel");
 
 // The spec's attention modifiers (kernelgen/flash_fwd_sm80.cuh says what each one does).
+using kg::tanh_approx;  // a math function expressions may call, like the libm ones
 struct Mods {
     const float* alibi_slopes;
     int alibi_stride_b;
@@ -24,12 +25,16 @@ struct Mods {
     static constexpr bool kScoreMod = true;
     static constexpr bool kMaskMod = false;
     static constexpr bool kKvRange = false;
+    static constexpr bool kBlockSparse = false;
+    __device__ __forceinline__ kg::SparseRow sparse_row(int, int, int) const {
+        return kg::SparseRow{nullptr, nullptr, 0, 0};  // no block mask: never called
+    }
 
     __device__ __forceinline__ float score_mod(float score, int batch, int head, int q_idx,
                                                int kv_idx, int seqlen_q, int seqlen_k) const {
 #line 11 "specs/flash_attn_alibi.yaml"
         return (score - alibi_slopes[batch * alibi_stride_b + head] * fabsf((float)(q_idx + seqlen_k - seqlen_q - kv_idx)));
-#line 31 "flash_attn_alibi__head_dim64_dtypefp16_causal1__sm_80__block_m64_block_n64_warps4_stages2_grid_order0.cu"
+#line 36 "flash_attn_alibi__head_dim64_dtypefp16_causal1__sm_80__block_m64_block_n64_warps4_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ bool mask_mod(int batch, int head, int q_idx, int kv_idx,
                                              int seqlen_q, int seqlen_k) const {

@@ -16,14 +16,32 @@ using Config = kg::FwdConfig<elem_t, /*HEAD_DIM=*/64, /*BLOCK_M=*/64,
 static_assert(Config::kSmemBytes == 46080, "spec's smem formula disagrees with the kernel");
 
 // The spec's attention modifiers (kernelgen/flash_fwd_sm80.cuh says what each one does).
+using kg::tanh_approx;  // a math function expressions may call, like the libm ones
 struct Mods {
     const int* doc_q;
     const int* doc_k;
+    const int* bm_num;
+    const int* bm_idx;
+    const int* bm_full_num;
+    const int* bm_full_idx;
+    int bm_stride_b;
+    int bm_stride_h;
+    int bm_width;
     static constexpr int head_dim = 64;
     static constexpr bool causal = false;
     static constexpr bool kScoreMod = false;
     static constexpr bool kMaskMod = true;
     static constexpr bool kKvRange = false;
+    static constexpr bool kBlockSparse = true;
+
+    // The block mask's lists of one row (kernelgen/blockmask.py): the blocks `block` of (batch,
+    // head) meets, partially visible ones first (mask_mod per element), then fully visible ones.
+    __device__ __forceinline__ kg::SparseRow sparse_row(int batch, int head, int block) const {
+        const int row = batch * bm_stride_b + head * bm_stride_h + block;
+        const int n_partial = bm_num[row];
+        return kg::SparseRow{bm_idx + kg::i64(row) * bm_width, bm_full_idx + kg::i64(row) * bm_width,
+                             n_partial, n_partial + bm_full_num[row]};
+    }
 
     __device__ __forceinline__ float score_mod(float score, int batch, int head, int q_idx,
                                                int kv_idx, int seqlen_q, int seqlen_k) const {
@@ -31,9 +49,9 @@ struct Mods {
     }
     __device__ __forceinline__ bool mask_mod(int batch, int head, int q_idx, int kv_idx,
                                              int seqlen_q, int seqlen_k) const {
-#line 11 "specs/flash_attn_document.yaml"
+#line 12 "specs/flash_attn_document.yaml"
         return (doc_q[batch * seqlen_q + q_idx] == doc_k[batch * seqlen_k + kv_idx]);
-#line 35 "flash_attn_document__head_dim64_dtypefp16_causal0__sm_80__block_m64_block_n64_warps4_stages2_grid_order0.cu"
+#line 53 "flash_attn_document__head_dim64_dtypefp16_causal0__sm_80__block_m64_block_n64_warps4_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int kv_lo(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
@@ -54,13 +72,13 @@ struct Mods {
 };
 
 extern "C" __global__ void __launch_bounds__(Config::kThreads)
-flash_attn_fwd(const elem_t* q, const elem_t* k, const elem_t* v, elem_t* o, float* lse, long long q_stride_b, long long q_stride_s, long long q_stride_h, long long k_stride_b, long long k_stride_s, long long k_stride_h, long long v_stride_b, long long v_stride_s, long long v_stride_h, long long o_stride_b, long long o_stride_s, long long o_stride_h, int batch, int heads, int heads_k, int seqlen_q, int seqlen_k, float softmax_scale, const int* doc_q, const int* doc_k) {
+flash_attn_fwd(const elem_t* q, const elem_t* k, const elem_t* v, elem_t* o, float* lse, long long q_stride_b, long long q_stride_s, long long q_stride_h, long long k_stride_b, long long k_stride_s, long long k_stride_h, long long v_stride_b, long long v_stride_s, long long v_stride_h, long long o_stride_b, long long o_stride_s, long long o_stride_h, int batch, int heads, int heads_k, int seqlen_q, int seqlen_k, float softmax_scale, const int* doc_q, const int* doc_k, const int* bm_num, const int* bm_idx, const int* bm_full_num, const int* bm_full_idx, int bm_stride_b, int bm_stride_h, int bm_width) {
     const kg::FwdArgs<elem_t> args{q, k, v, o, lse,
                                    q_stride_b, q_stride_s, q_stride_h,
                                    k_stride_b, k_stride_s, k_stride_h,
                                    v_stride_b, v_stride_s, v_stride_h,
                                    o_stride_b, o_stride_s, o_stride_h,
                                    batch, heads, heads_k, seqlen_q, seqlen_k, softmax_scale};
-    const Mods mods{doc_q, doc_k};
+    const Mods mods{doc_q, doc_k, bm_num, bm_idx, bm_full_num, bm_full_idx, bm_stride_b, bm_stride_h, bm_width};
     kg::flash_fwd_sm80<Config>(args, mods);
 }

@@ -16,12 +16,17 @@ using Config = kg::FwdConfig<elem_t, /*HEAD_DIM=*/128, /*BLOCK_M=*/128,
 static_assert(Config::kSmemBytes == 87040, "spec's smem formula disagrees with the kernel");
 
 // The spec's attention modifiers (kernelgen/flash_fwd_sm80.cuh says what each one does).
+using kg::tanh_approx;  // a math function expressions may call, like the libm ones
 struct Mods {
     static constexpr int head_dim = 128;
     static constexpr bool causal = false;
     static constexpr bool kScoreMod = false;
     static constexpr bool kMaskMod = false;
     static constexpr bool kKvRange = false;
+    static constexpr bool kBlockSparse = false;
+    __device__ __forceinline__ kg::SparseRow sparse_row(int, int, int) const {
+        return kg::SparseRow{nullptr, nullptr, 0, 0};  // no block mask: never called
+    }
 
     __device__ __forceinline__ float score_mod(float score, int batch, int head, int q_idx,
                                                int kv_idx, int seqlen_q, int seqlen_k) const {

@@ -16,6 +16,7 @@ using Config = kg::FwdConfig<elem_t, /*HEAD_DIM=*/256, /*BLOCK_M=*/128,
 static_assert(Config::kSmemBytes == 135168, "spec's smem formula disagrees with the kernel");
 
 // The spec's attention modifiers (kernelgen/flash_fwd_sm80.cuh says what each one does).
+using kg::tanh_approx;  // a math function expressions may call, like the libm ones
 struct Mods {
     float softcap;
     static constexpr int head_dim = 256;
@@ -23,12 +24,16 @@ struct Mods {
     static constexpr bool kScoreMod = true;
     static constexpr bool kMaskMod = false;
     static constexpr bool kKvRange = false;
+    static constexpr bool kBlockSparse = false;
+    __device__ __forceinline__ kg::SparseRow sparse_row(int, int, int) const {
+        return kg::SparseRow{nullptr, nullptr, 0, 0};  // no block mask: never called
+    }
 
     __device__ __forceinline__ float score_mod(float score, int batch, int head, int q_idx,
                                                int kv_idx, int seqlen_q, int seqlen_k) const {
-#line 9 "specs/flash_attn_softcap.yaml"
-        return (softcap * tanhf(score / softcap));
-#line 30 "flash_attn_softcap__head_dim256_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+#line 11 "specs/flash_attn_softcap.yaml"
+        return (softcap * tanh_approx(score * (1.0f / softcap)));
+#line 35 "flash_attn_softcap__head_dim256_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ bool mask_mod(int batch, int head, int q_idx, int kv_idx,
                                              int seqlen_q, int seqlen_k) const {

@@ -16,6 +16,7 @@ using Config = kg::FwdConfig<elem_t, /*HEAD_DIM=*/96, /*BLOCK_M=*/128,
 static_assert(Config::kSmemBytes == 79872, "spec's smem formula disagrees with the kernel");
 
 // The spec's attention modifiers (kernelgen/flash_fwd_sm80.cuh says what each one does).
+using kg::tanh_approx;  // a math function expressions may call, like the libm ones
 struct Mods {
     int window_left;
     int window_right;
@@ -24,6 +25,10 @@ struct Mods {
     static constexpr bool kScoreMod = false;
     static constexpr bool kMaskMod = true;
     static constexpr bool kKvRange = true;
+    static constexpr bool kBlockSparse = false;
+    __device__ __forceinline__ kg::SparseRow sparse_row(int, int, int) const {
+        return kg::SparseRow{nullptr, nullptr, 0, 0};  // no block mask: never called
+    }
 
     __device__ __forceinline__ float score_mod(float score, int batch, int head, int q_idx,
                                                int kv_idx, int seqlen_q, int seqlen_k) const {
@@ -33,31 +38,31 @@ struct Mods {
                                              int seqlen_q, int seqlen_k) const {
 #line 13 "specs/flash_attn_window.yaml"
         return ((window_left < 0 || kv_idx >= q_idx + seqlen_k - seqlen_q - window_left) && (window_right < 0 || kv_idx <= q_idx + seqlen_k - seqlen_q + window_right));
-#line 35 "flash_attn_window__head_dim96_dtypefp16_causal1__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 40 "flash_attn_window__head_dim96_dtypefp16_causal1__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int kv_lo(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 17 "specs/flash_attn_window.yaml"
         return (window_left < 0 ? 0 : q_first + seqlen_k - seqlen_q - window_left);
-#line 41 "flash_attn_window__head_dim96_dtypefp16_causal1__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 46 "flash_attn_window__head_dim96_dtypefp16_causal1__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int kv_hi(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 18 "specs/flash_attn_window.yaml"
         return (window_right < 0 ? seqlen_k : q_last + seqlen_k - seqlen_q + window_right + 1);
-#line 47 "flash_attn_window__head_dim96_dtypefp16_causal1__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 52 "flash_attn_window__head_dim96_dtypefp16_causal1__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int full_lo(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 19 "specs/flash_attn_window.yaml"
         return (window_left < 0 ? 0 : q_last + seqlen_k - seqlen_q - window_left);
-#line 53 "flash_attn_window__head_dim96_dtypefp16_causal1__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 58 "flash_attn_window__head_dim96_dtypefp16_causal1__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int full_hi(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 20 "specs/flash_attn_window.yaml"
         return (window_right < 0 ? (1 << 30) : q_first + seqlen_k - seqlen_q + window_right + 1);
-#line 59 "flash_attn_window__head_dim96_dtypefp16_causal1__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 64 "flash_attn_window__head_dim96_dtypefp16_causal1__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
 };
 
