@@ -44,7 +44,7 @@ def feeds(spec: KernelSpec) -> str | None:
     if not has_mods(spec) or not _PARAMS <= {p.name for p in spec.params}:
         return None
     names = tuple(a.name for a in spec.args)
-    base = names[:len(names) - len(spec.mods.args)]
+    base = names[:len(names) - len(spec.mods.members)]   # mod args, then a block mask's lists
     if base == _BACKWARD_ARGS:
         return "backward"
     if tuple(sorted(base)) in _FORWARD_ARGS:
@@ -86,6 +86,21 @@ def _describe(value) -> str:
     return repr(value)
 
 
+def _block_mask(spec: KernelSpec, variant, problem: Problem, mod_values: Mapping, device):
+    """A block-sparse spec's BlockMask of these inputs (built once; each config's tile gets its
+    lists from it), or None."""
+    if not spec.mods.block_sparse:
+        return None
+    from kernelgen import blockmask
+
+    return blockmask.create_block_mask(spec, variant.as_dict(), problem.batch, problem.heads,
+                                       problem.seqlen_q, problem.seqlen_k, dict(mod_values), device)
+
+
+def _pointers(values) -> tuple:
+    return tuple(v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values)
+
+
 def _finite(*tensors) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
@@ -98,6 +113,8 @@ class ForwardWorkload(measure.Workload):
         super().__init__(spec, variant, problem, device, seed)
         mods = mod_launch_values(spec, mod_values, self.q.device)
         self.values.update(zip((a.name for a in spec.mods.args), mods))
+        self.block_args = spec.mods.block_args
+        self.block_mask = _block_mask(spec, variant, problem, mod_values, self.q.device)
         default = api.load(spec, arch=variant.arch, config=spec.default_config(variant).as_dict(),
                            **variant.as_dict())
         self.out.fill_(float("nan"))
@@ -107,6 +124,12 @@ class ForwardWorkload(measure.Workload):
         if not _finite(self.out_default):
             raise TuneError(f"{spec.name}: the default config {spec.default_config(variant).slug} "
                             "leaves non-finite outputs on these inputs; nothing to compare with")
+
+    def launcher(self, kernel: api.BoundKernel):
+        if self.block_mask is not None:   # the lists at this config's tile
+            lists = self.block_mask.kernel_args(kernel.config["block_m"], kernel.config["block_n"])
+            self.values.update(zip((a.name for a in self.block_args), _pointers(lists)))
+        return super().launcher(kernel)
 
     def _check_spec(self, spec, names) -> None:
         if feeds(spec) != "forward":
@@ -161,8 +184,10 @@ class BackwardWorkload(measure_bwd.Workload):
         self.mods = mod_launch_values(spec, mod_values, self.q.device)
         tensors = {a.name: mod_values[a.name] for a in spec.mods.args if a.type == "ptr"}
         forward_values = tuple(tensors.get(a.name, x) for a, x in zip(spec.mods.args, self.mods))
+        self.block_mask = _block_mask(spec, variant, problem, mod_values, self.q.device)
         self.out, self.lse = AttentionKernel(forward_spec, **params).forward(
-            self.q, self.k, self.v, self.scale, forward_values)
+            self.q, self.k, self.v, self.scale, forward_values,
+            *(() if self.block_mask is None else (self.block_mask,)))
         # The plain reference's bounds (measure_bwd) give the rounding scale; twice that is the
         # bound between two configs (module docstring).
         self.bounds = tuple(2 * max(s.bounds[i] for s in self.slices) for i in range(3))
@@ -185,8 +210,11 @@ class BackwardWorkload(measure_bwd.Workload):
         kernels = backward._Kernels(prep, kernel, None)
         launch = backward._launcher(self.device)
         args = (self.dout, self.q, self.k, self.v, self.out, self.lse, self.scale)
-        return lambda: backward._run(kernels, launch, *args, buffers=self.buffers,
-                                     mod_args=self.mods)
+        mods = self.mods
+        if self.block_mask is not None:   # the transposed lists at this config's tile
+            mods += _pointers(self.block_mask.kernel_args(
+                kernel.config["block_m"], kernel.config["block_n"], transposed=True))
+        return lambda: backward._run(kernels, launch, *args, buffers=self.buffers, mod_args=mods)
 
     def _run_once(self, launch) -> None:
         b = self.buffers

@@ -20,6 +20,8 @@ from kernelgen.tune import TuneError
     ("flash_attn_softcap", None, "forward"),
     ("flash_attn_softcap", "flash_attn_fwd_sm90", "forward"),
     ("flash_attn_alibi", "flash_attn_fwd_sm90", "forward"),
+    ("flash_attn_document", "flash_attn_fwd_sm90", "forward"),
+    ("flash_attn_document", "flash_attn_bwd", "backward"),
     ("flash_attn_window", "flash_attn_bwd", "backward"),
     ("flash_attn_alibi", "flash_attn_bwd", "backward"),
     ("flash_attn_alibi", "flash_attn_bwd_dq", None),   # the deterministic dQ kernel: untuned

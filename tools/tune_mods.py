@@ -15,7 +15,7 @@ import kernelgen
 from kernelgen import bench_mods, tune
 
 
-def mod_args(mod: str, causal: bool, heads: int) -> tuple[str, dict]:
+def mod_args(mod: str, causal: bool, heads: int, batch: int, seqlen: int) -> tuple[str, dict]:
     if mod == "window":
         left, right = bench_mods.WINDOW[causal]
         return "flash_attn_window", {"window_left": left, "window_right": right}
@@ -24,13 +24,17 @@ def mod_args(mod: str, causal: bool, heads: int) -> tuple[str, dict]:
     if mod == "alibi":
         return "flash_attn_alibi", {"alibi_slopes": bench_mods.alibi_slopes(heads).cuda(),
                                     "alibi_stride_b": 0}
+    if mod == "document":   # the bench's documents (same seed)
+        lengths = bench_mods.document_lengths(batch, seqlen, max(2, seqlen // 1024), seed=seqlen)
+        ids = bench_mods.document_ids(lengths).cuda()
+        return "flash_attn_document", {"doc_q": ids, "doc_k": ids}
     raise ValueError(f"no tuning case for {mod!r}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqlens", type=int, nargs="+", default=[4096])
-    parser.add_argument("--mods", nargs="+", default=["window", "softcap", "alibi"])
+    parser.add_argument("--mods", nargs="+", default=["window", "softcap", "alibi", "document"])
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--export", metavar="FILE")
     opts = parser.parse_args()
@@ -41,7 +45,7 @@ def main() -> None:
                                dtype=torch.bfloat16) for _ in range(3))
         for mod in opts.mods:
             for causal in (False, True):
-                name, args = mod_args(mod, causal, heads)
+                name, args = mod_args(mod, causal, heads, batch, seqlen)
                 kernel = kernelgen.load(name, head_dim=opts.head_dim, dtype="bf16", causal=causal)
                 start = time.perf_counter()
                 for result in kernel.tune(q, k, v, **args):
