@@ -1,14 +1,15 @@
 // Generated from specs/flash_attn_fwd_sm90.yaml by `kernelgen render --generated`; do not edit.
-// flash_attn_fwd_sm90__head_dim128_dtypebf16_causal0__sm_90a__block_m128_block_n176_stages2_schedule2_persistent0
+// flash_attn_fwd_sm90__head_dim128_dtypebf16_causal0__sm_90a__block_m128_block_n176_stages2_schedule2_persistent0_q_buffers1
 // flash_attn_fwd_sm90: exact attention forward for Hopper, TMA + mbarriers + wgmma (kernelgen/flash_fwd_sm90.cuh).
 //   O[b, i, h, :] = sum_j softmax_j(scale * Q[b, i, h, :] . K[b, j, h / (heads / heads_k), :]) V[b, j, ...]
 //   LSE[b, h, i]  = logsumexp_j(scale * Q[b, i, h, :] . K[b, j, ...])      (natural log, fp32)
 //   causal: query i sees keys j <= i + seqlen_k - seqlen_q (bottom-right aligned).
-// Q, K, V are read through the tensor maps (the pointers and their strides are for the host).
+// Q, K, V are read through the tensor maps (the pointers and their strides are for the host);
+// O is written through tmap_o with q_buffers 2 (TMA stores), through `o` otherwise.
 // A spec's mods (score_mod, mask_mod, kv_range; their arguments follow the tensor maps) are
 // applied as in the sm80 family; without mods the Mods struct below switches everything off.
 // Variant: head_dim=128 dtype=bf16 causal=false arch=sm_90a
-// Config:  block_m=128 block_n=176 stages=2 schedule=2 persistent=0
+// Config:  block_m=128 block_n=176 stages=2 schedule=2 persistent=0 q_buffers=1
 #include "kernelgen/flash_fwd_sm90.cuh"
 
 using elem_t = kg::bf16_t;
@@ -81,19 +82,25 @@ struct PvGemm {
 using Config = kg::Sm90Config<elem_t, /*HEAD_DIM=*/128, /*BLOCK_M=*/128,
                               /*BLOCK_N=*/176, /*STAGES=*/2,
                               /*CAUSAL=*/false, /*SCHEDULE=*/2,
-                              /*PERSISTENT=*/false, QkGemm, PvGemm>;
+                              /*PERSISTENT=*/false,
+                              /*Q_BUFFERS=*/1, QkGemm, PvGemm>;
 static_assert(Config::kSmemBytes == 214096, "spec's smem formula disagrees with the kernel");
 static_assert(Config::kThreads == 384, "spec's thread count disagrees with the kernel");
 static_assert(Config::kSwizzle == 128, "the host's tensor maps use the spec's swizzle");
 static_assert(Config::kConsumerRegs == 240, "spec's register budget disagrees");
 
 // The spec's attention modifiers (kernelgen/flash_fwd_sm80.cuh says what each one does).
+using kg::tanh_approx;  // a math function expressions may call, like the libm ones
 struct Mods {
     static constexpr int head_dim = 128;
     static constexpr bool causal = false;
     static constexpr bool kScoreMod = false;
     static constexpr bool kMaskMod = false;
     static constexpr bool kKvRange = false;
+    static constexpr bool kBlockSparse = false;
+    __device__ __forceinline__ kg::SparseRow sparse_row(int, int, int) const {
+        return kg::SparseRow{nullptr, nullptr, 0, 0};  // no block mask: never called
+    }
 
     __device__ __forceinline__ float score_mod(float score, int batch, int head, int q_idx,
                                                int kv_idx, int seqlen_q, int seqlen_k) const {
@@ -123,7 +130,7 @@ struct Mods {
 
 // minBlocksPerSM = 1 gives ptxas the entry register count, without which setmaxnreg is dropped.
 extern "C" __global__ void __launch_bounds__(Config::kThreads, 1)
-flash_attn_fwd_sm90(const elem_t* q, const elem_t* k, const elem_t* v, elem_t* o, float* lse, long long q_stride_b, long long q_stride_s, long long q_stride_h, long long k_stride_b, long long k_stride_s, long long k_stride_h, long long v_stride_b, long long v_stride_s, long long v_stride_h, long long o_stride_b, long long o_stride_s, long long o_stride_h, int batch, int heads, int heads_k, int seqlen_q, int seqlen_k, float softmax_scale, const __grid_constant__ kg::TensorMap tmap_q, const __grid_constant__ kg::TensorMap tmap_k, const __grid_constant__ kg::TensorMap tmap_v) {
+flash_attn_fwd_sm90(const elem_t* q, const elem_t* k, const elem_t* v, elem_t* o, float* lse, long long q_stride_b, long long q_stride_s, long long q_stride_h, long long k_stride_b, long long k_stride_s, long long k_stride_h, long long v_stride_b, long long v_stride_s, long long v_stride_h, long long o_stride_b, long long o_stride_s, long long o_stride_h, int batch, int heads, int heads_k, int seqlen_q, int seqlen_k, float softmax_scale, const __grid_constant__ kg::TensorMap tmap_q, const __grid_constant__ kg::TensorMap tmap_k, const __grid_constant__ kg::TensorMap tmap_v, const __grid_constant__ kg::TensorMap tmap_o) {
     const kg::FwdArgs<elem_t> args{q, k, v, o, lse,
                                    q_stride_b, q_stride_s, q_stride_h,
                                    k_stride_b, k_stride_s, k_stride_h,
@@ -131,5 +138,5 @@ flash_attn_fwd_sm90(const elem_t* q, const elem_t* k, const elem_t* v, elem_t* o
                                    o_stride_b, o_stride_s, o_stride_h,
                                    batch, heads, heads_k, seqlen_q, seqlen_k, softmax_scale};
     const Mods mods{};
-    kg::flash_fwd_sm90<Config>(args, tmap_q, tmap_k, tmap_v, mods);
+    kg::flash_fwd_sm90<Config>(args, tmap_q, tmap_k, tmap_v, tmap_o, mods);
 }
