@@ -350,15 +350,19 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
             wgmma_fence();
             issue_dq<C>(acc_dq, desc_ds + (((it % 2) * C::kTileDs) >> 4), desc_k_mn);
         }
-        wgmma_wait<0>();
+        // dV and dK, the slot's last readers, are done; dQ may still run. (Not when dQ is taken
+        // in turns: a wait count that differs between the branches serializes every wgmma, C7518.)
+        if constexpr (C::kDqHalves) wgmma_wait<1>();
+        else wgmma_wait<0>();
         fence_operands(acc_dv);
         fence_operands(acc_dk);
-        fence_operands(acc_dq);
         __syncwarp();  // every lane's reads of the slot's LSE and D are done
         if (lane == 0) mbarrier_arrive(bar.empty(s));
 
         // dq_accum[query, head, :] += scale * dQ, rows past seqlen_q skipped.
         if (!dq_here) continue;
+        if constexpr (C::kDqHalves) wgmma_wait<0>();
+        fence_operands(acc_dq);
         const i64 row_stride = i64(a.heads) * C::kHeadDim;
         const int q_row = m0 + 16 * warp + lane / 4;
         float* dq = a.dq_accum + (i64(w.batch) * a.seqlen_q + q_row) * row_stride +
