@@ -156,10 +156,13 @@ def _measurers(spec: KernelSpec):
     """(workload class, candidate class) for `spec`: the backward's main kernel has inputs and a
     check of its own (measure_bwd.py), so do specs with mods (measure_mods.py); measure.py's
     serve the forward and refuse the rest."""
-    from kernelgen import measure, measure_bwd, measure_mods
+    from kernelgen import measure, measure_bwd
 
-    if measure_mods.feeds(spec):
-        return measure_mods.measurers(spec)
+    if spec.mods.any or spec.mods.args:
+        from kernelgen import measure_mods   # its workloads subclass measure's and measure_bwd's
+
+        if measure_mods.feeds(spec):
+            return measure_mods.measurers(spec)
     if measure_bwd.feeds(spec):
         return measure_bwd.Workload, measure_bwd.Candidate
     return measure.Workload, measure.AttentionCandidate
