@@ -15,7 +15,6 @@ from kernelgen import env, tma
 
 SPEC = "flash_attn_bwd_sm90"
 _EMPTY_MAP = bytes(tma.MAP_BYTES)  # for empty Q or K/V
-_CAPABILITIES: dict[int, tuple[int, int]] = {}
 
 
 @functools.cache
@@ -32,12 +31,15 @@ def applies(head_dim: int, device: int, deterministic: bool, has_mods: bool) -> 
         return False
     if env.settings().backward == "sm80":
         return False
-    capability = _CAPABILITIES.get(device)
-    if capability is None:  # a device's capability does not change: ask torch once
-        import torch
+    # The arch api.load would compile this spec for (backward calls this once per problem, so
+    # asking again is cheap): sm_90a on compute capability 9.0, none elsewhere.
+    from kernelgen import api
+    from kernelgen.spec import load_spec
 
-        capability = _CAPABILITIES[device] = torch.cuda.get_device_capability(device)
-    return capability == (9, 0)
+    try:
+        return api.pick_arch(load_spec(SPEC), device) == "sm_90a"
+    except RuntimeError:  # no variant for this GPU
+        return False
 
 
 def is_sm90(kernel) -> bool:
