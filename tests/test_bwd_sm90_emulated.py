@@ -2,9 +2,11 @@
 sm90_emu.h), launched by backward._run between the prep kernel and the dQ cast, with tensor maps
 from backward_sm90.tensor_maps, against autograd through kernelgen.reference by FlashAttention's
 rule. Seconds per case: small ragged shapes that reach every code path (every head dim: both
-ways of splitting dQ, 128B and 64B swizzle; causal with seqlen_q > seqlen_k, rows that see no key and KV tiles no query
-sees; GQA; a strided view and a transposed dout; 2 and 3 stages, every ring wrapping), with TMA
-copies landing at issue (eager) or as late as allowed (lazy)."""
+ways of splitting dQ, 128B and 64B swizzle; causal with seqlen_q > seqlen_k, rows that see no
+key and KV tiles no query sees; GQA; a strided view and a transposed dout; 2 and 3 stages, every
+ring wrapping), with TMA copies landing at issue (eager) or as late as allowed (lazy, where the
+emulator also stalls a warpgroup now and then: with one dS^T buffer instead of two, the other
+warpgroup overwrites it under a pending dQ wgmma, which fails the lazy hd128 cases)."""
 from __future__ import annotations
 
 import math

@@ -7,7 +7,10 @@
 //  * wgmma records its operands at issue; the math runs at the wgmma.wait_group that retires its
 //    group, reading shared memory and the A registers then and writing the accumulators then.
 //    Operands are decoded from the descriptors by CuTe's canonical GMMA layouts, independently of
-//    how the kernel built them, with the swizzle applied to byte addresses.
+//    how the kernel built them, with the swizzle applied to byte addresses. The shared-memory
+//    operands are also read at issue, and a change by the time the op runs is an error (a store
+//    or a TMA refill into bytes an in-flight wgmma reads). In lazy mode a warpgroup sometimes
+//    stalls at a wait while the others run on, so a race between warpgroups gets its chance.
 //  * TMA: in eager mode a box lands at issue (refilling a slot that a pending wgmma still reads
 //    corrupts it); in lazy mode it lands only when a thread waits on its mbarrier (reading a tile
 //    without waiting sees NaN). Elements outside the tensor are zero-filled.
@@ -29,6 +32,7 @@ struct WgmmaOp {            // one wgmma instruction of one warpgroup
     uint64_t desc_a = 0, desc_b = 0;  // desc_a unused when A comes from registers
     float* d[128];          // each thread's accumulators (n / 2 floats)
     const uint32_t* a[128]; // each thread's A fragment, or null (A from shared memory)
+    std::vector<uint16_t> snapshot;  // its shared-memory operands at issue
 };
 
 struct Warpgroup {
@@ -51,6 +55,7 @@ struct MapFields {
 
 struct Sm90State {
     std::vector<Warpgroup> warpgroups;
+    std::vector<unsigned> waits;  // wgmma.wait_group calls per thread (lazy mode's stalls)
     NamedBarrier named[16];
     std::map<unsigned, Mbarrier> barriers;
     std::vector<TmaCopy> in_flight;
@@ -64,6 +69,7 @@ inline void sm90_cta_start() {
     Sm90State& s = sm90();
     s.lazy_tma = rt().defer_copies;
     s.warpgroups.assign((rt().threads + 127) / 128, Warpgroup{});
+    s.waits.assign(rt().threads, 0);
     for (auto& b : s.named) b = NamedBarrier{};
     s.barriers.clear();
 }
@@ -230,7 +236,7 @@ inline Desc decode(uint64_t d) {
 //   K-major : ((8, m), (T, 2)) : ((W u, SBO), (1 element, 1 u))
 //   MN-major: ((T, W, m), (8, k)) : ((1 element, 1 u, LBO), (W u, SBO))
 // with Swizzle<3,4,3> (128B) or <2,4,3> (64B) on the byte address.
-inline float operand(const Desc& d, bool mn_major, int mn, int k, bool bf16) {
+inline uint16_t operand_bits(const Desc& d, bool mn_major, int mn, int k) {
     const unsigned w = d.layout == 1 ? 8 : d.layout == 2 ? 4 : 0;
     if (!w) fail("descriptor layout is not a 128B or 64B swizzle", d.layout);
     const unsigned addr = mn_major
@@ -241,7 +247,27 @@ inline float operand(const Desc& d, bool mn_major, int mn, int k, bool bf16) {
     check_smem(at, 2, 2);
     uint16_t h;
     memcpy(&h, kg::smem + at, 2);
+    return h;
+}
+
+inline float operand(const Desc& d, bool mn_major, int mn, int k, bool bf16) {
+    const uint16_t h = operand_bits(d, mn_major, mn, k);
     return bf16 ? bf16_to_float(h) : half_to_float(h);
+}
+
+// The shared-memory operands of an op, as bits: taken at issue and compared when the op runs, so
+// that a store (or a TMA refill) into bytes an in-flight wgmma reads fails however it was timed.
+inline std::vector<uint16_t> smem_operands(const WgmmaOp& op) {
+    std::vector<uint16_t> bits;
+    if (!op.a[0]) {
+        const Desc da = decode(op.desc_a);
+        for (int m = 0; m < 64; ++m)
+            for (int k = 0; k < 16; ++k) bits.push_back(operand_bits(da, op.trans_a, m, k));
+    }
+    const Desc db = decode(op.desc_b);
+    for (int k = 0; k < 16; ++k)
+        for (int n = 0; n < op.n; ++n) bits.push_back(operand_bits(db, op.trans_b, n, k));
+    return bits;
 }
 
 inline float half_bits(uint32_t packed, int high, bool bf16) {
@@ -250,6 +276,9 @@ inline float half_bits(uint32_t packed, int high, bool bf16) {
 }
 
 inline void execute(const WgmmaOp& op) {
+    if (smem_operands(op) != op.snapshot)
+        fail("shared memory read by an in-flight wgmma changed before the wait that retires it",
+             op.desc_b);
     float a[64][16];
     std::vector<float> b(16 * op.n);
     if (op.a[0]) {
@@ -302,14 +331,27 @@ inline void wgmma(float* d, int n, uint64_t desc_a, const uint32_t* a, uint64_t 
     }
     wg.pending.d[t] = d;
     wg.pending.a[t] = a;
-    warpgroup_collective(kWgMma, [](Warpgroup& g) { g.groups.back().push_back(g.pending); });
+    warpgroup_collective(kWgMma, [](Warpgroup& g) {
+        g.pending.snapshot = smem_operands(g.pending);
+        g.groups.back().push_back(g.pending);
+    });
 }
 
 inline void wgmma_commit() {
     warpgroup_collective(kWgCommit, [](Warpgroup& g) { g.groups.emplace_back(); });
 }
 
+// In lazy mode one wait in four (by a hash of the warpgroup and its wait count, the same for its
+// 128 threads) first stalls the warpgroup for 64 scheduling rounds while the others run on, as
+// slow wgmmas would: a warpgroup that overwrites what another's in-flight wgmma reads gets there.
 inline void wgmma_wait(int pending) {
+    Sm90State& s = sm90();
+    if (s.lazy_tma) {
+        unsigned hash = s.waits[threadIdx.x]++ * 0x9E3779B9u + threadIdx.x / 128 * 0x85EBCA6Bu;
+        hash = (hash ^ (hash >> 16)) * 0x7FEB352Du;
+        if ((hash ^ (hash >> 15)) % 4 == 0)
+            for (int i = 0; i < 64; ++i) yield();
+    }
     warpgroup_collective(kWgWait, [pending](Warpgroup& g) {
         const int committed = int(g.groups.size()) - 1;
         for (int i = 0; i < committed - pending; ++i)

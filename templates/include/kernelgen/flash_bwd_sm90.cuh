@@ -19,9 +19,9 @@
 // dQ needs every key's dS, so both consumers write their dS^T rows to shared memory and meet at a
 // named barrier; then warpgroup w computes head_dim columns w * HEAD_DIM / 2.. of it (head_dim
 // 128), or all of it for the pairs it with it % 2 == w (head dims 64 and 96: half of head_dim is
-// not a whole number of panels of K). dS^T is double-buffered by pair parity: a warpgroup writes buffer
-// it % 2 only after both passed the barrier of pair it - 1, by which time each had retired its
-// dQ wgmma of pair it - 2, the last reader of that buffer.
+// not a whole number of panels of K). dS^T is double-buffered by pair parity: a warpgroup writes
+// buffer it % 2 only after both passed the barrier of pair it - 1, by which time each had retired
+// its dQ wgmma of pair it - 2, the last reader of that buffer.
 //
 // Ring: full[s] completes on the producer's expect_tx (Q + dO bytes) plus one arrival per lane of
 // the stats warp; empty[s] on one arrival per consumer warp once its wgmmas that read the slot
