@@ -4,6 +4,7 @@
     kernelgen tune --preset fwd-grid [--head-dims 128] [--seqlens 4096 8192] [--causal true]
     kernelgen tune --preset fwd-sm90-grid ...   (the Hopper family, on an sm_90 GPU)
     kernelgen tune --preset bwd-grid ...        (the backward's main kernel, flash_attn_bwd)
+    kernelgen tune --preset bwd-sm90-grid ...   (its Hopper kernel, flash_attn_bwd_sm90)
     kernelgen tune --export FILE          (also after a tuning run: the DB in the shipped format)
     kernelgen tune flash_attn_softcap --arg softcap=30 [--onto flash_attn_fwd_sm90] --shape ...
                                           (a mods spec: its scalar arguments' values, and the base
@@ -52,10 +53,12 @@ def fwd_grid(head_dims=(64, 128, 256), seqlens=GRID_SEQLENS, causals=(False, Tru
 
 PRESETS = {"fwd-grid": fwd_grid,                      # the mma.sync family (sm_80 and later)
            "fwd-sm90-grid": functools.partial(fwd_grid, spec="flash_attn_fwd_sm90"),
-           "bwd-grid": functools.partial(fwd_grid, spec="flash_attn_bwd")}   # the backward's main kernel
+           "bwd-grid": functools.partial(fwd_grid, spec="flash_attn_bwd"),   # the backward's main kernel
+           "bwd-sm90-grid": functools.partial(fwd_grid, head_dims=(64, 128),  # its Hopper kernel
+                                              spec="flash_attn_bwd_sm90")}
 # FLOPs of a spec's run per forward FLOP: the backward's five products to the forward's two (the
 # FlashAttention papers' convention; its prep and dQ cast are in the time but count nothing).
-FLOPS_PER_FORWARD = {"flash_attn_bwd": 2.5}
+FLOPS_PER_FORWARD = {"flash_attn_bwd": 2.5, "flash_attn_bwd_sm90": 2.5}
 
 
 def parse_shape(text: str) -> Problem:

@@ -128,6 +128,7 @@ def test_the_check_accepts_the_reference_and_rejects_wrong_outputs(spec, seqlens
 def test_the_workload_refuses_specs_it_cannot_feed():
     forward = load_spec("flash_attn_fwd")
     assert measure_bwd.feeds(load_spec(backward.MAIN_SPEC))
+    assert measure_bwd.feeds(load_spec("flash_attn_bwd_sm90"))   # + tensor maps, appended by _run
     assert not measure_bwd.feeds(forward) and not measure_bwd.feeds(load_spec(backward.DQ_SPEC))
     with pytest.raises(TuneError, match="args and params of flash_attn_bwd"):
         measure_bwd.Workload(forward, forward.variant("sm_90"), Problem(1, 2, 2, 64, 64), device="cpu")
