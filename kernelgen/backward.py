@@ -4,17 +4,17 @@ Launches on torch's current stream, without host synchronization:
   1. flash_attn_bwd_prep: D = rowsum(dO * O) in fp32, and zeroing of the fp32 dQ accumulator;
   2. flash_attn_bwd: dK and dV per KV tile (the query heads of a GQA group summed in registers),
      and dQ * scale added into the accumulator with fp32 atomics; dQ is the accumulator cast to
-     the input dtype. On compute capability 9.0 (head dims 64, 128; no mods, not deterministic)
-     flash_attn_bwd_sm90 does the same with wgmma (backward_sm90; KERNELGEN_BACKWARD=sm80 keeps
-     flash_attn_bwd).
+     the input dtype. On compute capability 9.0 (head dims 64, 96, 128; not deterministic; more
+     than backward_sm90.SHORT_SEQLEN_K keys) flash_attn_bwd_sm90 does the same with wgmma
+     (backward_sm90, with or without mods; KERNELGEN_BACKWARD=sm80 keeps flash_attn_bwd).
 With deterministic=True, step 2 runs without atomics and flash_attn_bwd_dq computes dQ per query
 tile (recomputing P and dP), so that the gradients are bitwise identical from run to run.
 The main kernel's config comes from the tuner (tune.lookup per problem: `kernelgen tune
 flash_attn_bwd ...` measures it, measure_bwd.py is its workload); prep and dQ take their defaults.
 
 With `mods` (ModArgs: a spec with mods, as kernelgen.load runs it) the main and dQ kernels are
-that spec put onto flash_attn_bwd and flash_attn_bwd_dq (load_spec(onto=)), its mod arguments
-appended to theirs; a score_mod without a score_mod_grad has no backward (NotImplementedError).
+that spec put onto flash_attn_bwd (or flash_attn_bwd_sm90) and flash_attn_bwd_dq
+(load_spec(onto=)), its mod arguments appended to theirs (after the Hopper kernel's tensor maps); a score_mod without a score_mod_grad has no backward (NotImplementedError).
 """
 from __future__ import annotations
 
@@ -97,9 +97,10 @@ def _kernels(head_dim: int, dtype: str, causal: bool, device: int, deterministic
         variant = dict(head_dim=head_dim, dtype=dtype, causal=causal)
         if mods is not None:
             variant = dict(mods.params)
-        # Compute capability 9.0, no mods, atomics allowed: the Hopper main kernel (backward_sm90).
-        main_name = (backward_sm90.SPEC if backward_sm90.applies(head_dim, device, deterministic,
-                                                                 mods is not None) else MAIN_SPEC)
+        # Compute capability 9.0, atomics allowed, not short: the Hopper main kernel (backward_sm90).
+        main_name = (backward_sm90.SPEC if backward_sm90.applies(
+            head_dim, device, deterministic, sizes[4], None if mods is None else mods.spec,
+            variant) else MAIN_SPEC)
         main, dq = _backward_spec(main_name, mods), _backward_spec(DQ_SPEC, mods)
         problem = tune.Problem(*sizes)
         kernels = _Kernels(_load(PREP_SPEC, device, dtype=dtype),
@@ -244,10 +245,10 @@ def _run(kernels: _Kernels, launch, dout, q, k, v, out, lse, scale: float,
     main_args = (q, k, v, dout, lse, b.dsum, b.dq_accum, b.dk, b.dv,
                  *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
                  *_strides(b.dk), *_strides(b.dv),
-                 batch, heads, heads_k, seqlen_q, seqlen_k, scale, *mod_args)
-    if backward_sm90.is_sm90(kernels.main):  # + its tensor maps (it takes no mods)
+                 batch, heads, heads_k, seqlen_q, seqlen_k, scale)
+    if backward_sm90.is_sm90(kernels.main):  # + its tensor maps, before the mod arguments
         main_args += backward_sm90.tensor_maps(kernels.main, q, k, v, dout)
-    launch(kernels.main, main_args, sizes)
+    launch(kernels.main, main_args + tuple(mod_args), sizes)
     if b.dq_accum is not None:  # already scaled by the kernel
         b.dq.copy_(b.dq_accum)
     else:

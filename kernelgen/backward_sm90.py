@@ -3,17 +3,27 @@ kernelgen.backward: when it applies, and the tensor maps its launch takes.
 
 It computes what flash_attn_bwd's main kernel computes, with the same arguments plus four tensor
 maps (Q and dO in boxes of block_m rows, K and V of block_n), so backward._run keeps the prep
-kernel and the dQ cast around it. Only the non-deterministic path without mods runs here (the
-kernel adds dQ with atomics, and knows no spec mods); KERNELGEN_BACKWARD=sm80 forces the
-mma.sync kernel everywhere.
+kernel and the dQ cast around it. Only the non-deterministic path runs here (the kernel adds dQ
+with atomics). A spec's mods run here too (the spec put onto this one, `<spec>__flash_attn_bwd_sm90`,
+its mod arguments after the tensor maps), unless the spec's `onto: {flash_attn_bwd_sm90: ...}`
+section leaves the variant no config: its live values do not fit the consumers' 240 registers
+there. Short sequences (seqlen_k <= SHORT_SEQLEN_K) keep the mma.sync kernel (a measured rule,
+below); KERNELGEN_BACKWARD=sm80 forces it everywhere.
 """
 from __future__ import annotations
 
 import functools
 
 from kernelgen import env, tma
+from kernelgen.spec import KernelSpec, SpecError
 
 SPEC = "flash_attn_bwd_sm90"
+# Measured (H200, hd128 bf16, batch 32 x 512, 16 heads; PERF_NOTES §15): at seqlen 512 this kernel
+# loses to the mma.sync one, causal 75 vs 134 TFLOP/s and full 202 vs 214, and its causal run
+# takes longer than its full one; the cause is not established (docs/internals.md says what is
+# suspected), so sequences of at most this many keys keep flash_attn_bwd. At 1k it wins (1.10x
+# SDPA flash causal, 1.30x full).
+SHORT_SEQLEN_K = 512
 _EMPTY_MAP = bytes(tma.MAP_BYTES)  # for empty Q or K/V
 
 
@@ -25,26 +35,46 @@ def head_dims() -> tuple[int, ...]:
     return next(p.values for p in load_spec(SPEC).params if p.name == "head_dim")
 
 
-def applies(head_dim: int, device: int, deterministic: bool, has_mods: bool) -> bool:
-    """Whether backward runs this kernel as its main kernel on `device` (compute capability 9.0)."""
-    if deterministic or has_mods or head_dim not in head_dims():
+def main_spec(mods: KernelSpec | None = None) -> KernelSpec:
+    """This spec, or a spec with mods put onto it."""
+    from kernelgen.spec import load_spec
+
+    return load_spec(SPEC) if mods is None else load_spec(mods.path, onto=SPEC)
+
+
+def applies(head_dim: int, device: int, deterministic: bool, seqlen_k: int,
+            mods: KernelSpec | None = None, params: dict | None = None) -> bool:
+    """Whether backward runs this kernel as its main kernel on `device` (compute capability 9.0)
+    for a problem of seqlen_k keys; `mods`: the spec with mods the forward ran, `params` its
+    variant's (head_dim, dtype, causal, ...)."""
+    if deterministic or head_dim not in head_dims() or seqlen_k <= SHORT_SEQLEN_K:
         return False
     if env.settings().backward == "sm80":
         return False
     # The arch api.load would compile this spec for (backward calls this once per problem, so
     # asking again is cheap): sm_90a on compute capability 9.0, none elsewhere.
     from kernelgen import api
-    from kernelgen.spec import load_spec
 
+    spec = main_spec(mods)
     try:
-        return api.pick_arch(load_spec(SPEC), device) == "sm_90a"
+        arch = api.pick_arch(spec, device)
     except RuntimeError:  # no variant for this GPU
         return False
+    if arch != "sm_90a":
+        return False
+    if mods is not None:
+        try:  # the spec's onto section may leave this variant no config (registers)
+            spec.default_config(spec.variant(arch=arch, **(params or {})))
+        except SpecError:
+            return False
+    return True
 
 
 def is_sm90(kernel) -> bool:
-    """Whether a main kernel (an api.BoundKernel, or what stands in for one) is this spec's."""
-    return kernel.spec.name == SPEC
+    """Whether a main kernel (an api.BoundKernel, or what stands in for one) is this spec's, or a
+    spec with mods put onto it (`<spec>__flash_attn_bwd_sm90`)."""
+    name = kernel.spec.name
+    return name == SPEC or name.endswith("__" + SPEC)
 
 
 # Map layouts per (variant, config, shapes, strides): a repeated training-step shape builds none.

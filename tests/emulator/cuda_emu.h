@@ -303,3 +303,17 @@ inline float __shfl_xor_sync(unsigned, float value, int mask) {
 inline int __shfl_xor_sync(unsigned, int value, int mask) {
     return int(emu_shfl_xor(unsigned(value), mask));
 }
+
+// Every lane's predicate as one bit (a whole-warp collective, as the kernels use it); the
+// exchange goes through the shuffle slots.
+inline unsigned __ballot_sync(unsigned, int predicate) {
+    emu::WarpSlots& w = emu::my_warp();
+    w.in[emu::lane_id()][0] = predicate ? 1u : 0u;
+    emu::warp_collective(emu::kShfl, [](emu::WarpSlots& s) {
+        unsigned bits = 0;
+        for (int l = 0; l < 32; ++l) bits |= s.in[l][0] << l;
+        for (int l = 0; l < 32; ++l) s.out[l][0] = bits;
+    });
+    return w.out[emu::lane_id()][0];
+}
+inline int __popc(unsigned value) { return __builtin_popcount(value); }

@@ -28,6 +28,16 @@
 // are retired. Pair `it` uses slot it % STAGES with parity (it / STAGES) & 1; the producer waits
 // on empty with the opposite parity, which a fresh barrier already satisfies.
 //
+// Mods (a spec's `mods`, the struct mods.inc.j2 renders; NoMods without) apply as in
+// flash_bwd_sm80.cuh: P = exp(score_mod(scale * q.k) - LSE), 0 where a built-in mask or the
+// mask_mod hides the pair, dS = P (dP - D) score_mod_grad(scale * q.k). One pass over the S^T
+// accumulators (bwd_mod_probs) packs P for dV and leaves P * score_mod_grad in their place, so dS
+// costs no registers more than without mods. A kv range skips the pairs whose keys miss this KV
+// tile: every role walks the same pairs, each warp finding the next one 32 at a time
+// (first_seen), so the producer's loads are issued by lane 0 of a whole warp then. A block mask
+// (mods.block_sparse) lists the pairs instead: the query tiles of this KV block for each head of
+// the GQA group, partial ones (mask_mod per element) first.
+//
 // Shared memory (1024-aligned): K | V | STAGES x Q | STAGES x dO | 2 x dS^T | STAGES x (LSE, D) |
 // barriers. Q, K, V, dO tiles are panels of 64 (128B-swizzled) or 32 (64B) head_dim columns as
 // TMA writes them (the forward's layout, flash_fwd_sm90.cuh); dS^T is [key][query], one 128B
@@ -39,6 +49,10 @@
 #include "kernelgen/wgmma.cuh"
 
 namespace kg {
+
+// Whether a Mods struct changes anything (NoMods: the plain kernel, its code unchanged).
+template <class Mods>
+constexpr bool kHasMods = Mods::kScoreMod || Mods::kMaskMod || Mods::kKvRange || Mods::kBlockSparse;
 
 // SdpGemm::mma(float (&)[BLOCK_M / 2], u64 desc_a, u64 desc_b, int accumulate),
 // DkvGemm::mma(float (&)[HEAD_DIM / 2], const u32 (&a)[4], u64 desc_b) and
@@ -96,15 +110,60 @@ struct BwdSm90Barriers {
 // they are decided, so the producer's loads and the consumers' steps agree. Causal (bottom-right:
 // query i sees keys <= i + shift) skips the query tiles above the diagonal, as flash_bwd_sm80.cuh.
 struct BwdWork {
-    int kv_head, batch, kv0, group, m_first, per_head, n_iter;
+    int kv_head, batch, kv0, group, m_first, per_head, n_iter, n_block;
     __device__ __forceinline__ int head(int it) const { return kv_head * group + it / per_head; }
     __device__ __forceinline__ int m0(int it, int block_m) const {
         return (m_first + it % per_head) * block_m;
     }
 };
 
-template <class C>
-__device__ __forceinline__ BwdWork bwd_work(const BwdArgs<typename C::Elem>& a) {
+// Pair `pair` of the walk with a kv range: whether its query tile's keys meet this KV tile (the
+// test of flash_bwd_sm80.cuh).
+template <class C, class Mods>
+__device__ __forceinline__ bool bwd_pair_seen(const BwdArgs<typename C::Elem>& a, const Mods& mods,
+                                              int kv_head, int batch, int kv0, int group,
+                                              int m_first, int per_head, int pair) {
+    const int head = kv_head * group + pair / per_head, m0 = (m_first + pair % per_head) * C::kBlockM;
+    const int q_last = min(m0 + C::kBlockM, a.seqlen_q) - 1;
+    const int lo = max(0, mods.kv_lo(m0, q_last, batch, head, a.seqlen_q, a.seqlen_k));
+    int hi = min(a.seqlen_k, mods.kv_hi(m0, q_last, batch, head, a.seqlen_q, a.seqlen_k));
+    if constexpr (C::kCausal) hi = min(hi, q_last + a.seqlen_k - a.seqlen_q + 1);
+    return lo < hi && kv0 < hi && lo < kv0 + C::kBlockN;
+}
+
+template <class Mods>
+constexpr bool kBwdSkipPairs = Mods::kKvRange && !Mods::kBlockSparse;
+
+// first_seen and count_seen (flash_bwd_sm80.cuh) kept rolled, the count by ballot: unrolled
+// copies of the search, or a shuffle sum, cost the consumers registers they do not have (window
+// at head_dim 128 spills with either).
+template <class Seen>
+__device__ __forceinline__ int bwd_first_seen(int from, int count, int lane, const Seen& seen) {
+    #pragma unroll 1
+    for (int base = from; base < count; base += 32) {
+        const int index = base + lane;
+        int found = index < count && seen(index) ? index : count;
+        #pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2)
+            found = min(found, __shfl_xor_sync(0xffffffffu, found, offset));
+        if (found < count) return found;
+    }
+    return count;
+}
+
+template <class Seen>
+__device__ __forceinline__ int bwd_count_seen(int count, int lane, const Seen& seen) {
+    int total = 0;
+    #pragma unroll 1
+    for (int base = 0; base < count; base += 32) {
+        const int index = base + lane;
+        total += __popc(__ballot_sync(0xffffffffu, index < count && seen(index)));
+    }
+    return total;
+}
+
+template <class C, class Mods>
+__device__ __forceinline__ BwdWork bwd_work(const BwdArgs<typename C::Elem>& a, const Mods& mods) {
     // Causal grids put the KV tile slowest (the spec's launch: longest first).
     const int n_block = C::kCausal ? blockIdx.z : blockIdx.x;
     const int kv_head = C::kCausal ? blockIdx.x : blockIdx.y;
@@ -114,26 +173,92 @@ __device__ __forceinline__ BwdWork bwd_work(const BwdArgs<typename C::Elem>& a) 
     int m_first = 0;
     if constexpr (C::kCausal) m_first = min(max(kv0 - (a.seqlen_k - a.seqlen_q), 0) / C::kBlockM, m_tiles);
     const int per_head = m_tiles - m_first;
-    return BwdWork{kv_head, batch, kv0, group, m_first, per_head, per_head * group};
+    // Pairs walked: all of them; with a kv range those it does not rule out (counted by each
+    // warp, all threads still converged here); with a block mask the group's listed ones.
+    int n_iter = per_head * group;
+    if constexpr (Mods::kBlockSparse) {
+        n_iter = 0;
+        for (int g = 0; g < group; ++g)
+            n_iter += mods.sparse_row(batch, kv_head * group + g, n_block).n_blocks;
+    } else if constexpr (kBwdSkipPairs<Mods>) {
+        n_iter = bwd_count_seen(per_head * group, threadIdx.x % 32, [&](int pair) {
+            return bwd_pair_seen<C>(a, mods, kv_head, batch, kv0, group, m_first, per_head, pair);
+        });
+    }
+    return BwdWork{kv_head, batch, kv0, group, m_first, per_head, n_iter, n_block};
 }
+
+// The pairs in walking order, the same for every role: step `it` visits pair(it), after next()
+// found it (a kv range: the next pair not ruled out, a warp-wide search; else the next index).
+// A block mask's entry is re-read from its lists (global memory, L1) per use, as in the sm80 kernel.
+struct BwdPair {
+    int head, m0;
+    bool partial;  // a block mask's partially visible tile: the mask_mod per element
+};
+
+template <class C, class Mods>
+struct BwdWalk {
+    const BwdArgs<typename C::Elem>& a;
+    const Mods& mods;
+    const BwdWork& w;
+    int at = 0;  // the pair of the current step (a kv range)
+
+    __device__ __forceinline__ void first() {
+        if constexpr (kBwdSkipPairs<Mods>) at = find(0);
+    }
+    // Pair of step `it`; with a kv range the walk then moves on to the next step's pair.
+    __device__ __forceinline__ BwdPair step(int it) {
+        if constexpr (Mods::kBlockSparse) {
+            int pair = it;
+            for (int g = 0;; ++g) {
+                const SparseRow row = mods.sparse_row(w.batch, w.kv_head * w.group + g, w.n_block);
+                if (pair < row.n_blocks || g == w.group - 1)
+                    return BwdPair{w.kv_head * w.group + g, row.block(pair) * C::kBlockM,
+                                   pair < row.n_partial};
+                pair -= row.n_blocks;
+            }
+        } else if constexpr (kBwdSkipPairs<Mods>) {
+            const int pair = at;
+            at = find(pair + 1);
+            return BwdPair{w.head(pair), w.m0(pair, C::kBlockM), false};
+        } else {
+            return BwdPair{w.head(it), w.m0(it, C::kBlockM), false};
+        }
+    }
+    __device__ __forceinline__ int find(int from) const {
+        return bwd_first_seen(from, w.per_head * w.group, int(threadIdx.x % 32), [&](int pair) {
+            return bwd_pair_seen<C>(a, mods, w.kv_head, w.batch, w.kv0, w.group, w.m_first,
+                                    w.per_head, pair);
+        });
+    }
+};
 
 // ---- the producer warpgroup -----------------------------------------------------------------
 
 // Thread 0: K and V once, then Q and dO of every pair through the ring.
-template <class C>
+// With a kv range the whole warp 0 walks the pairs (the search is warp-wide) and its lane 0
+// issues; otherwise thread 0 alone runs this.
+template <class C, class Mods>
 __device__ __forceinline__ void bwd_produce_tiles(u32 base, BwdSm90Barriers<C> bar,
                                                   const TensorMap& map_q, const TensorMap& map_k,
                                                   const TensorMap& map_v, const TensorMap& map_do,
-                                                  const BwdWork& w) {
-    tma_prefetch(map_q);
-    tma_prefetch(map_k);
-    tma_prefetch(map_v);
-    tma_prefetch(map_do);
-    mbarrier_arrive_expect_tx(bar.full_kv(), 2 * C::kTileKV);
-    tma_load_5d(base + C::kOffK, map_k, bar.full_kv(), 0, w.kv0, 0, w.kv_head, w.batch, kEvictFirst);
-    tma_load_5d(base + C::kOffV, map_v, bar.full_kv(), 0, w.kv0, 0, w.kv_head, w.batch, kEvictFirst);
+                                                  BwdWalk<C, Mods> walk) {
+    const BwdWork& w = walk.w;
+    const bool issue = !kBwdSkipPairs<Mods> || threadIdx.x % 32 == 0;
+    if (issue) {
+        tma_prefetch(map_q);
+        tma_prefetch(map_k);
+        tma_prefetch(map_v);
+        tma_prefetch(map_do);
+        mbarrier_arrive_expect_tx(bar.full_kv(), 2 * C::kTileKV);
+        tma_load_5d(base + C::kOffK, map_k, bar.full_kv(), 0, w.kv0, 0, w.kv_head, w.batch, kEvictFirst);
+        tma_load_5d(base + C::kOffV, map_v, bar.full_kv(), 0, w.kv0, 0, w.kv_head, w.batch, kEvictFirst);
+    }
+    walk.first();
     for (int it = 0; it < w.n_iter; ++it) {
-        const int s = it % C::kStages, head = w.head(it), m0 = w.m0(it, C::kBlockM);
+        const BwdPair pair = walk.step(it);
+        const int s = it % C::kStages, head = pair.head, m0 = pair.m0;
+        if (!issue) continue;
         mbarrier_wait(bar.empty(s), (u32(it / C::kStages) & 1) ^ 1);
         mbarrier_arrive_expect_tx(bar.full(s), 2 * C::kTileQ);
         // Q and dO are read again by the CTAs of the other KV tiles of this head.
@@ -146,13 +271,16 @@ __device__ __forceinline__ void bwd_produce_tiles(u32 base, BwdSm90Barriers<C> b
 
 // Warp 1 (`lane` 0..31): LSE * log2e and D of every pair's rows into its slot; rows past seqlen_q
 // get 0, so their P and dS stay finite (they meet zero rows of Q and dO and are never stored).
-template <class C>
+template <class C, class Mods>
 __device__ __forceinline__ void bwd_produce_stats(const BwdArgs<typename C::Elem>& a,
                                                   unsigned char* tiles, BwdSm90Barriers<C> bar,
-                                                  const BwdWork& w, int lane) {
+                                                  BwdWalk<C, Mods> walk, int lane) {
+    const BwdWork& w = walk.w;
+    walk.first();
     for (int it = 0; it < w.n_iter; ++it) {
-        const int s = it % C::kStages, m0 = w.m0(it, C::kBlockM);
-        const i64 row0 = (i64(w.batch) * a.heads + w.head(it)) * a.seqlen_q + m0;
+        const BwdPair pair = walk.step(it);
+        const int s = it % C::kStages, m0 = pair.m0;
+        const i64 row0 = (i64(w.batch) * a.heads + pair.head) * a.seqlen_q + m0;
         float* stats = reinterpret_cast<float*>(tiles + C::kOffStats) + s * 2 * C::kBlockM;
         mbarrier_wait(bar.empty(s), (u32(it / C::kStages) & 1) ^ 1);
         #pragma unroll
@@ -230,11 +358,57 @@ __device__ __forceinline__ u32 panel_offset_bwd(int rows, int row, int col) {
            swizzle<SWIZZLE>(row * SWIZZLE + (col % (SWIZZLE / 2)) * 2);
 }
 
+// With mods: P^T in place of the raw scores S^T (acc_s) of one pair, every mask applied, packed
+// into p16 for dV; acc_s then holds P^T * score_mod_grad, which dS^T = acc_s * (dP^T - D) takes
+// as without mods. Element (i, e) is key key0 + 8 * (e / 2), query query0 + 8 * i + (e & 1);
+// lse2 points at the lane's first query's LSE * log2e. Indices are clamped into the sequences
+// for the mods (padding rows and columns are masked or never stored), as in flash_bwd_sm80.cuh.
+template <class C, class Mods>
+__device__ __forceinline__ void bwd_mod_probs(float (&acc_s)[C::kBlockM / 2], Packed<C::kBlockM>& p16,
+                                              const BwdArgs<typename C::Elem>& a, const Mods& mods,
+                                              int batch, int head, int key0, int query0,
+                                              const float* lse2, bool need_mask, bool need_mod_mask) {
+    const ModSite at{batch, a.seqlen_q, a.seqlen_k, a.softmax_scale};
+    const int shift = a.seqlen_k - a.seqlen_q;
+    #pragma unroll
+    for (int i = 0; i < C::kBlockM / 8; ++i) {
+        const float2 l = *reinterpret_cast<const float2*>(lse2 + 8 * i);
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float p[2];
+            #pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int e = 2 * h + c, key = key0 + 8 * h, query = query0 + 8 * i + c;
+                bool hidden = need_mask && key >= a.seqlen_k;
+                if constexpr (C::kCausal) hidden |= need_mask && key > query + shift;
+                if constexpr (Mods::kMaskMod)
+                    hidden |= need_mod_mask && mod_hides(mods, at, head, query, key);
+                const float lse = c ? l.y : l.x;
+                float grad = 1.f;
+                if constexpr (Mods::kScoreMod) {
+                    const int q_idx = min(query, a.seqlen_q - 1), kv_idx = min(key, a.seqlen_k - 1);
+                    const float score = acc_s[4 * i + e] * a.softmax_scale;
+                    p[c] = exp2_approx(fmaf(mods.score_mod(score, batch, head, q_idx, kv_idx,
+                                                           a.seqlen_q, a.seqlen_k), kLog2e, -lse));
+                    grad = mods.score_mod_grad(score, batch, head, q_idx, kv_idx, a.seqlen_q,
+                                               a.seqlen_k);
+                } else {
+                    p[c] = exp2_approx(fmaf(acc_s[4 * i + e], a.softmax_scale * kLog2e, -lse));
+                }
+                p[c] = hidden ? 0.f : p[c];
+                acc_s[4 * i + e] = Mods::kScoreMod ? p[c] * grad : p[c];
+            }
+            p16.r[i / 2][(i % 2) * 2 + h] = pack2<typename C::Elem>(p[0], p[1]);
+        }
+    }
+}
+
 // One consumer warpgroup: keys kv0 + 64 * wg .. + 63 of the CTA's tile.
-template <class C>
+template <class C, class Mods>
 __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, unsigned char* tiles,
-                                            u32 base, BwdSm90Barriers<C> bar, const BwdWork& w,
+                                            u32 base, BwdSm90Barriers<C> bar, BwdWalk<C, Mods> walk,
                                             int wg) {
+    const BwdWork& w = walk.w;
     using Elem = typename C::Elem;
     constexpr int kSw = C::kSwizzle;
     constexpr int kAccS = C::kBlockM / 2, kAccD = C::kHeadDim / 2, kAccQ = C::kDqN / 2;
@@ -265,8 +439,10 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
     Packed<C::kBlockM> p16, ds16;
 
     mbarrier_wait(bar.full_kv(), 0);
+    walk.first();
     for (int it = 0; it < w.n_iter; ++it) {
-        const int s = it % C::kStages, head = w.head(it), m0 = w.m0(it, C::kBlockM);
+        const BwdPair pair = walk.step(it);
+        const int s = it % C::kStages, head = pair.head, m0 = pair.m0;
         const u64 slot = (s * C::kTileQ) >> 4;
         const float* lse2 = stats_all + s * 2 * C::kBlockM;
         const float* dsum = lse2 + C::kBlockM;
@@ -287,29 +463,43 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
         // which only occur in tiles that straddle the diagonal. Only those tiles pay.
         wgmma_wait<1>();
         fence_operands(acc_s);
-        #pragma unroll
-        for (int i = 0; i < C::kBlockM / 8; ++i) {
-            const float2 l = *reinterpret_cast<const float2*>(lse2 + lane_col + 8 * i);
-            #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                acc_s[4 * i + e] = exp2_approx(fmaf(acc_s[4 * i + e], scale_log2, -(e & 1 ? l.y : l.x)));
-        }
         const int key0 = w.kv0 + lane_key, query0 = m0 + lane_col;
         bool need_mask = w.kv0 + 64 * wg + 64 > a.seqlen_k;
         if constexpr (C::kCausal) need_mask |= w.kv0 + 64 * wg + 63 > m0 + shift;
-        if (need_mask) {
+        if constexpr (kHasMods<Mods>) {
+            // The mask_mod per element: in a block mask's partial tiles, else unless the kv range
+            // vouches for this warpgroup's 64 keys and the tile's rows.
+            bool need_mod_mask = Mods::kMaskMod;
+            if constexpr (Mods::kMaskMod && Mods::kBlockSparse)
+                need_mod_mask = pair.partial;
+            else if constexpr (Mods::kMaskMod && Mods::kKvRange)
+                need_mod_mask = mod_mask_needed<64>(walk.mods, w.kv0 + 64 * wg, m0,
+                                                    min(m0 + C::kBlockM, a.seqlen_q) - 1, w.batch,
+                                                    head, a.seqlen_q, a.seqlen_k);
+            bwd_mod_probs<C>(acc_s, p16, a, walk.mods, w.batch, head, key0, query0, lse2 + lane_col,
+                             need_mask, need_mod_mask);
+        } else {
             #pragma unroll
-            for (int i = 0; i < C::kBlockM / 8; ++i)
+            for (int i = 0; i < C::kBlockM / 8; ++i) {
+                const float2 l = *reinterpret_cast<const float2*>(lse2 + lane_col + 8 * i);
                 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = key0 + 8 * (e / 2), query = query0 + 8 * i + (e & 1);
-                    bool masked = key >= a.seqlen_k;
-                    if constexpr (C::kCausal) masked |= key > query + shift;
-                    if (masked) acc_s[4 * i + e] = 0.f;
-                }
+                for (int e = 0; e < 4; ++e)
+                    acc_s[4 * i + e] = exp2_approx(fmaf(acc_s[4 * i + e], scale_log2, -(e & 1 ? l.y : l.x)));
+            }
+            if (need_mask) {
+                #pragma unroll
+                for (int i = 0; i < C::kBlockM / 8; ++i)
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int key = key0 + 8 * (e / 2), query = query0 + 8 * i + (e & 1);
+                        bool masked = key >= a.seqlen_k;
+                        if constexpr (C::kCausal) masked |= key > query + shift;
+                        if (masked) acc_s[4 * i + e] = 0.f;
+                    }
+            }
+            pack_a<Elem>(p16, acc_s);
         }
         // dV += P^T dO runs while dS^T is computed (P^T lives in fp32 and packed meanwhile).
-        pack_a<Elem>(p16, acc_s);
         fence_operands(acc_dv);
         fence_packed(p16);
         wgmma_fence();
@@ -423,12 +613,13 @@ __device__ __forceinline__ void write_empty_kv_tile(const BwdArgs<typename C::El
     }
 }
 
-template <class C>
+template <class C, class Mods = NoMods>
 __device__ __forceinline__ void flash_bwd_sm90(const BwdArgs<typename C::Elem>& a,
                                                const TensorMap& map_q, const TensorMap& map_k,
-                                               const TensorMap& map_v, const TensorMap& map_do) {
+                                               const TensorMap& map_v, const TensorMap& map_do,
+                                               const Mods& mods = Mods{}) {
     extern __shared__ __align__(1024) unsigned char smem[];
-    const BwdWork w = bwd_work<C>(a);
+    const BwdWork w = bwd_work<C>(a, mods);
     if (w.n_iter == 0) {  // no barriers, no loads
         write_empty_kv_tile<C>(a, w);
         return;
@@ -448,16 +639,17 @@ __device__ __forceinline__ void flash_bwd_sm90(const BwdArgs<typename C::Elem>& 
     }
     __syncthreads();  // the last CTA-wide barrier: the producer's idle warps exit below
 
+    const BwdWalk<C, Mods> walk{a, mods, w};
     if (threadIdx.x < 128) {
         setmaxnreg_dec<C::kProducerRegs>();
-        if (threadIdx.x == 0)
-            bwd_produce_tiles<C>(base, bar, map_q, map_k, map_v, map_do, w);
+        if (kBwdSkipPairs<Mods> ? threadIdx.x < 32 : threadIdx.x == 0)
+            bwd_produce_tiles<C>(base, bar, map_q, map_k, map_v, map_do, walk);
         else if (threadIdx.x / 32 == 1)
-            bwd_produce_stats<C>(a, tiles, bar, w, threadIdx.x % 32);
+            bwd_produce_stats<C>(a, tiles, bar, walk, threadIdx.x % 32);
         return;
     }
     setmaxnreg_inc<C::kConsumerRegs>();
-    bwd_consume<C>(a, tiles, base, bar, w, int(threadIdx.x / 128) - 1);
+    bwd_consume<C>(a, tiles, base, bar, walk, int(threadIdx.x / 128) - 1);
 }
 
 }  // namespace kg
