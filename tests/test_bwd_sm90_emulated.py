@@ -6,7 +6,12 @@ ways of splitting dQ, 128B and 64B swizzle; causal with seqlen_q > seqlen_k, row
 key and KV tiles no query sees; GQA; a strided view and a transposed dout; 2 and 3 stages, every
 ring wrapping), with TMA copies landing at issue (eager) or as late as allowed (lazy, where the
 emulator also stalls a warpgroup now and then: with one dS^T buffer instead of two, the other
-warpgroup overwrites it under a pending dQ wgmma, which fails the lazy hd128 cases)."""
+warpgroup overwrites it under a pending dQ wgmma, which fails the lazy hd128 cases).
+
+The mods cases put each shipped mods spec onto flash_attn_bwd_sm90 as backward.py does (softcap,
+sliding windows with rows that see no key and query tiles the kv range skips, ALiBi, a document
+block mask's transposed lists from blockmask.from_dense, the tutorial's prefix LM), against the
+reference applying the same modification."""
 from __future__ import annotations
 
 import math
@@ -20,9 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent / "emulator"))
 import emulate  # noqa: E402
 
-from kernelgen import backward, backward_sm90  # noqa: E402
+from kernelgen import backward, backward_sm90, blockmask  # noqa: E402
 from kernelgen.reference import attention_ref, max_error, rounding_allowance  # noqa: E402
-from kernelgen.spec import load_spec  # noqa: E402
+from kernelgen.spec import REPO_ROOT, load_spec  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not emulate.available(), reason="the emulator needs g++")
 
@@ -53,8 +58,8 @@ class Emulated:
     """Stands in for an api.BoundKernel: what the emulator needs to run one variant and config."""
 
     def __init__(self, name, config=None, **params):
-        self.spec = load_spec(name)
-        arch = "sm_90a" if name == backward_sm90.SPEC else "sm_90"
+        self.spec = load_spec(name) if isinstance(name, str) else name
+        arch = "sm_90a" if backward_sm90.is_sm90(self) else "sm_90"
         self.variant = self.spec.variant(arch, **params)
         self.config = (self.spec.default_config(self.variant) if config is None
                        else self.spec.parse_config(config))
@@ -70,27 +75,40 @@ def launcher(lazy: bool):
     return launch
 
 
-def grads(q, k, v, dout, causal, scale, upcast):
+def grads(q, k, v, dout, causal, scale, upcast, score_mod=None, mask_mod=None):
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    out, _ = attention_ref(*leaves, causal, scale, upcast=upcast)
+    out, _ = attention_ref(*leaves, causal, scale, upcast=upcast, score_mod=score_mod,
+                           mask_mod=mask_mod)
     return torch.autograd.grad(out, leaves, dout)
 
 
-def check(q, k, v, dout, causal, config=None, lazy=False):
+def check(q, k, v, dout, causal, config=None, lazy=False, *, mods=None, mod_values=(),
+          block_mask=None, score_mod=None, mask_mod=None):
+    """mods: a spec with mods (name or path) put onto the kernel, run with `mod_values` (its
+    mod arguments in order; a block-sparse spec's lists come from `block_mask`, as
+    backward._mod_arguments hands them); score_mod / mask_mod: the same modification for the
+    reference."""
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim)
-    out, lse = attention_ref(q, k, v, causal, scale)
+    out, lse = attention_ref(q, k, v, causal, scale, score_mod=score_mod, mask_mod=mask_mod)
     dtype = NAMES[q.dtype]
+    main = backward_sm90.SPEC if mods is None else load_spec(mods, onto=backward_sm90.SPEC)
     kernels = backward._Kernels(Emulated(backward.PREP_SPEC, dtype=dtype),
-                                Emulated(backward_sm90.SPEC, config, head_dim=head_dim,
+                                Emulated(main, config, head_dim=head_dim,
                                          dtype=dtype, causal=causal),
                                 None)
+    mod_args = ()
+    if mods is not None:
+        args = backward.ModArgs(load_spec(mods), kernels.main.variant.params, tuple(mod_values),
+                                block_mask)
+        mod_args, _ = backward._mod_arguments(args, kernels, q, k)
     # Poisoned outputs: every element the kernels should write starts as NaN.
     buffers = backward._Buffers(*(torch.full_like(t, float("nan")) for t in backward._buffers(
         q, k, deterministic=False).__dict__.values()))
-    got = backward._run(kernels, launcher(lazy), dout, q, k, v, out, lse, scale, buffers=buffers)
-    refs = grads(q, k, v, dout, causal, scale, True)
-    pts = grads(q, k, v, dout, causal, scale, False)
+    got = backward._run(kernels, launcher(lazy), dout, q, k, v, out, lse, scale, buffers=buffers,
+                        mod_args=mod_args)
+    refs = grads(q, k, v, dout, causal, scale, True, score_mod, mask_mod)
+    pts = grads(q, k, v, dout, causal, scale, False, score_mod, mask_mod)
     for name, g, ref, pt, like in zip(("dq", "dk", "dv"), got, refs, pts, (q, k, v)):
         assert g.shape == like.shape and g.dtype == like.dtype, name
         assert not g.isnan().any(), f"{name} has NaN (unwritten or bad math)"
@@ -137,3 +155,99 @@ def test_strided_inputs_and_dout():
     dout = torch.randn(1, 2, 131, 128, dtype=torch.bfloat16).transpose(1, 2)
     assert not q.is_contiguous() and not dout.is_contiguous()
     check(q, k, v, dout, True, lazy=True)
+
+
+# ---- mods -----------------------------------------------------------------------------------
+
+PREFIX_LM = str(REPO_ROOT / "examples" / "prefix_lm.yaml")
+
+
+def qkv_dout(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, scale=1.0):
+    return (make(batch, seqlen_q, heads, head_dim, dtype, 1) * scale,
+            make(batch, seqlen_k, heads_k, head_dim, dtype, 2) * scale,
+            make(batch, seqlen_k, heads_k, head_dim, dtype, 3),
+            make(batch, seqlen_q, heads, head_dim, dtype, 4))
+
+
+def test_softcap_causal_gqa():
+    """Scores well into the cap, so that score_mod_grad (1 - tanh^2) is far from 1."""
+    q, k, v, dout = qkv_dout(1, 130, 200, 4, 2, 64, torch.bfloat16, scale=3.0)
+    cap = 2.0
+    check(q, k, v, dout, True, lazy=True, mods="flash_attn_softcap", mod_values=(cap,),
+          score_mod=lambda s, *_: cap * torch.tanh(s / cap))
+
+
+def window_mask(left, right, seqlen_q, seqlen_k):
+    shift = seqlen_k - seqlen_q
+
+    def visible(b, h, i, j):
+        return ((j >= i + shift - left) | (left < 0)) & ((j <= i + shift + right) | (right < 0))
+    return visible
+
+
+def test_window_rows_that_see_no_key():
+    """seqlen_q > seqlen_k aligns the window bottom-right: the first 150 queries see no key, and
+    each KV tile meets only some of the query tiles (the kv range skips the others)."""
+    q, k, v, dout = qkv_dout(1, 300, 150, 2, 1, 128, torch.float16)
+    mask_mod = window_mask(8, 0, 300, 150)
+    _, lse = attention_ref(q, k, v, mask_mod=mask_mod)
+    assert (~torch.isfinite(lse)).sum() == 2 * 150   # what check() asserts dq = 0 for
+    check(q, k, v, dout, False, lazy=True, mods="flash_attn_window", mod_values=(8, 0),
+          mask_mod=mask_mod)
+
+
+@pytest.mark.parametrize("window", [(40, 24), (-1, 5)])
+def test_window_causal_gqa(window):
+    """Three KV tiles, four query tiles: skipped pairs, pairs without the mask_mod (the kv range
+    vouches for them) and pairs with it; 3 stages so the skips meet a wrapping ring."""
+    q, k, v, dout = qkv_dout(1, 200, 330, 2, 1, 128, torch.bfloat16)
+    check(q, k, v, dout, True, {"block_m": 64, "block_n": 128, "stages": 3}, lazy=window[0] > 0,
+          mods="flash_attn_window", mod_values=window, mask_mod=window_mask(*window, 200, 330))
+
+
+@pytest.mark.parametrize("per_batch, causal", [(False, True), (True, False)],
+                         ids=["per_head-causal", "per_batch-full"])
+def test_alibi(per_batch, causal):
+    batch, heads, seqlen_q, seqlen_k = 2, 2, 90, 150
+    q, k, v, dout = qkv_dout(batch, seqlen_q, seqlen_k, heads, 2, 96, torch.float16)
+    torch.manual_seed(7)
+    slopes = torch.rand((batch, heads) if per_batch else (heads,)) * 0.5
+    s4 = slopes.view(batch if per_batch else 1, heads, 1, 1)
+    check(q, k, v, dout, causal, mods="flash_attn_alibi",
+          mod_values=(slopes, heads if per_batch else 0),
+          score_mod=lambda s, b, h, i, j: s - s4 * (i + seqlen_k - seqlen_q - j).abs().float())
+
+
+def documents(batch, seqlen, cuts, seed):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(batch, seqlen, dtype=torch.int32)
+    for row in ids:
+        points = torch.sort(torch.randperm(seqlen - 1, generator=generator)[:cuts] + 1).values
+        for n, (a, b) in enumerate(zip([0, *points.tolist()], [*points.tolist(), seqlen])):
+            row[a:b] = n
+    return ids
+
+
+@pytest.mark.parametrize("causal, head_dim", [(False, 128), (True, 64)])
+def test_document_block_mask(causal, head_dim):
+    """The transposed lists of a BlockMask at the kernel's tile (64 x 128): per KV block the query
+    blocks of each head of the GQA group, partial ones with the mask_mod; rows of a document no
+    key has see nothing."""
+    batch, seqlen_q, seqlen_k = 2, 200, 300
+    q, k, v, dout = qkv_dout(batch, seqlen_q, seqlen_k, 2, 1, head_dim, torch.bfloat16)
+    ids = documents(batch, seqlen_k, 3, seed=5)
+    doc_q, doc_k = ids[:, -seqlen_q:].contiguous(), ids[:, -seqlen_k:].contiguous()
+    doc_q[1, 120:140] = 99
+    visible = (doc_q[:, :, None] == doc_k[:, None, :])[:, None]
+    mask = blockmask.from_dense(load_spec("flash_attn_document"), visible, causal, batch=batch)
+    states = mask.classify(64, 128)
+    assert {1, 2} <= set(states.unique().tolist())   # partial and full blocks
+    check(q, k, v, dout, causal, lazy=causal, mods="flash_attn_document", mod_values=(doc_q, doc_k),
+          block_mask=mask, mask_mod=lambda *_: visible)
+
+
+@pytest.mark.parametrize("prefix", [0, 150])
+def test_tutorial_prefix_lm(prefix):
+    q, k, v, dout = qkv_dout(1, 260, 260, 2, 2, 64, torch.bfloat16)
+    check(q, k, v, dout, False, mods=PREFIX_LM, mod_values=(prefix,),
+          mask_mod=lambda b, h, i, j: (j <= i) | (j < prefix))
