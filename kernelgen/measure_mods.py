@@ -1,6 +1,6 @@
 """The GPU side of tuning a spec with mods (score_mod, mask_mod: docs/writing-specs.md), forward
 (the spec itself on the mma.sync family, or put onto flash_attn_fwd_sm90) and backward (put onto
-flash_attn_bwd, the main kernel a gradient runs).
+flash_attn_bwd or flash_attn_bwd_sm90, the main kernels a gradient runs).
 
 A mods spec has runtime arguments of its own (a cap, per-head slopes, document ids), and what they
 are changes what a config does (a document mask skips tiles), so tuning takes their values from
@@ -31,7 +31,10 @@ from kernelgen.tune import Problem, TuneError
 # The bases a mods spec's forward runs on (the Hopper one adds its tensor maps).
 _FORWARD_ARGS = tuple(tuple(sorted(a.name for a in load_spec(name).args))
                       for name in ("flash_attn_fwd", "flash_attn_fwd_sm90"))
+# The backward main kernel's: flash_attn_bwd's, or the Hopper one's (the same plus four tensor
+# maps, which backward._run appends before the mod arguments).
 _BACKWARD_ARGS = tuple(a.name for a in load_spec(backward.MAIN_SPEC).args)
+_BACKWARD_BASES = (_BACKWARD_ARGS, _BACKWARD_ARGS + measure_bwd._SM90_MAPS)
 _PARAMS = {"head_dim", "dtype", "causal"}
 
 
@@ -45,7 +48,7 @@ def feeds(spec: KernelSpec) -> str | None:
         return None
     names = tuple(a.name for a in spec.args)
     base = names[:len(names) - len(spec.mods.members)]   # mod args, then a block mask's lists
-    if base == _BACKWARD_ARGS:
+    if base in _BACKWARD_BASES:
         return "backward"
     if tuple(sorted(base)) in _FORWARD_ARGS:
         return "forward"

@@ -21,12 +21,28 @@ SEQLENS = [(1, 1), (63, 65), (128, 128), (1, 700), (700, 1), (200, 517), (517, 2
 LAYOUTS = [(2, 4, 4), (1, 8, 2), (2, 6, 1)]
 
 
-def main_kernel(head_dim, deterministic=False):
+@pytest.fixture(autouse=True)
+def short_sequences_too(monkeypatch):
+    """These shapes are short on purpose: lift backward_sm90's seqlen rule, so that they run the
+    Hopper kernel (test_dispatch checks the rule)."""
+    monkeypatch.setattr(backward_sm90, "SHORT_SEQLEN_K", 0)
+    backward._KERNELS.clear()
+    yield
+    backward._KERNELS.clear()
+
+
+def main_kernel(head_dim, deterministic=False, seqlen=64):
     """The main kernel flash_attn_backward would launch for a small problem on device 0."""
     backward._KERNELS.clear()
-    kernels = backward._kernels(head_dim, "bf16", False, 0, deterministic, (1, 2, 2, 64, 64))
+    kernels = backward._kernels(head_dim, "bf16", False, 0, deterministic, (1, 2, 2, seqlen, seqlen))
     backward._KERNELS.clear()
     return kernels.main.spec.name
+
+
+def test_short_sequences_keep_the_mma_sync_kernel(monkeypatch):
+    monkeypatch.setattr(backward_sm90, "SHORT_SEQLEN_K", 512)
+    assert main_kernel(128, seqlen=512) == backward.MAIN_SPEC
+    assert main_kernel(128, seqlen=513) == backward_sm90.SPEC
 
 
 def test_dispatch(monkeypatch):

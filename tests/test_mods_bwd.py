@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -197,3 +198,102 @@ def test_autograd_hands_the_mods_to_the_backward(monkeypatch):
     slopes.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+# ---- the Hopper backward main kernel (flash_attn_bwd_sm90) with mods ----------------------------
+
+# The variants each mods spec's `onto: {flash_attn_bwd_sm90: ...}` section leaves without a config
+# (they spill at 240 registers and keep flash_attn_bwd): (head_dim, causal).
+SM90_EXCLUDED = {"flash_attn_window": {(96, False), (96, True), (64, True)},
+                 "flash_attn_document": {(96, False)},
+                 "prefix_lm": {(96, False)}}
+
+
+def sm90_jobs(dtype="bf16"):
+    from kernelgen import backward_sm90
+
+    jobs, excluded = [], {}
+    for name in MOD_SPECS:
+        spec = load_spec(name, onto=backward_sm90.SPEC)
+        for variant in spec.variants():
+            if variant["dtype"] != dtype:
+                continue
+            try:
+                jobs.append((spec, variant, spec.default_config(variant)))
+            except SpecError:
+                excluded.setdefault(spec.name.partition("__")[0], set()).add(
+                    (variant["head_dim"], variant["causal"]))
+    return jobs, excluded
+
+
+def test_backward_sm90_of_every_mod_spec_compiles_clean(cache_dir):
+    """Every shipped mods spec onto the Hopper kernel, bf16 (fp16 compiles to the same registers:
+    checked by hand when the onto sections were written): no spills, no local memory, no C75xx
+    (serialized wgmma), the plain kernel's wgmma count; the variants left out are exactly the
+    documented ones."""
+    from kernelgen import compile as compiler
+    from kernelgen import sass
+
+    jobs, excluded = sm90_jobs()
+    assert excluded == SM90_EXCLUDED
+    assert len(jobs) == 4 * 6 + 3 - 5   # prefix_lm pins causal to false
+
+    def build(job):
+        spec, variant, config = job
+        source = render.render(spec, variant, config)
+        binary = compiler.compile_source(source.text, source.name, source.entry, variant.arch)
+        found = sass.mnemonics(sass.sass(binary.cubin))
+        head_dim, block_m, block_n = variant["head_dim"], config["block_m"], config["block_n"]
+        hgmma = 2 * head_dim // 16 + 2 * block_m // 16 + block_n // 16
+        bad = []
+        if binary.spill_stores or binary.spill_loads or binary.stack_bytes:
+            bad.append(f"spills {binary.spill_stores}/{binary.spill_loads}, stack {binary.stack_bytes}")
+        if found["LDL"] + found["STL"]:
+            bad.append("local memory")
+        if "(C75" in binary.log:
+            bad.append("C75xx: " + binary.log)
+        if found["HGMMA"] != hgmma:
+            bad.append(f"{found['HGMMA']} HGMMA, expected {hgmma}")
+        return source.name, bad
+
+    with ThreadPoolExecutor(2) as pool:
+        problems = [f"{name}: {'; '.join(bad)}" for name, bad in pool.map(build, jobs) if bad]
+    assert not problems, "\n".join(problems)
+
+
+def test_backward_sm90_takes_mods_specs_where_they_fit(monkeypatch):
+    """On compute capability 9.0 (faked): a mods spec's backward runs flash_attn_bwd_sm90 except
+    for the variants its onto section leaves out, short sequences, and the deterministic path;
+    the kernel's arguments are the plain Hopper kernel's (tensor maps last) and then the mod
+    arguments, which measure_mods recognises as a backward to tune."""
+    from kernelgen import api, backward_sm90, env, measure_mods
+
+    monkeypatch.setattr(api, "device_arch", lambda device=None: "sm_90")
+    long, short = backward_sm90.SHORT_SEQLEN_K + 1, backward_sm90.SHORT_SEQLEN_K
+    for name in MOD_SPECS:
+        spec = load_spec(name)
+        left_out = SM90_EXCLUDED.get(spec.name, set())
+        for variant in spec.variants(["sm_80"]):
+            params = dict(variant.params)
+            expected = (variant["head_dim"] in backward_sm90.head_dims()
+                        and (variant["head_dim"], variant["causal"]) not in left_out)
+            assert backward_sm90.applies(variant["head_dim"], 0, False, long, spec, params) == expected
+            assert not backward_sm90.applies(variant["head_dim"], 0, False, short, spec, params)
+            assert not backward_sm90.applies(variant["head_dim"], 0, True, long, spec, params)
+        onto = load_spec(name, onto=backward_sm90.SPEC)
+        assert backward_sm90.is_sm90(SimpleNamespace(spec=onto))
+        assert onto.name == f"{spec.name}__flash_attn_bwd_sm90"
+        names = [a.name for a in onto.args]
+        plain = [a.name for a in load_spec(backward_sm90.SPEC).args]
+        assert names == plain + [a.name for a in onto.mods.members]
+        assert measure_mods.feeds(onto) == "backward"
+    assert backward_sm90.applies(128, 0, False, long)           # plain
+    assert not backward_sm90.applies(128, 0, False, short)
+    monkeypatch.setenv("KERNELGEN_BACKWARD", "sm80")
+    env.reload_settings()
+    try:
+        assert not backward_sm90.applies(128, 0, False, long, load_spec("flash_attn_softcap"),
+                                         dict(head_dim=128, dtype="bf16", causal=False))
+    finally:
+        monkeypatch.undo()
+        env.reload_settings()

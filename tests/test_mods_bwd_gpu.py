@@ -3,13 +3,18 @@ tutorial's prefix LM) through autograd (flash_attn_func's options and kernelgen.
 autograd through the float32 reference applying the same modification, by FlashAttention's rule
 as in tests/test_backward.py: max|g - g_ref| <= 2 * max|g_pt - g_ref| + rounding allowance, g_pt
 the same reference in the input dtype. Ragged sequence lengths (partial tiles, seqlen_q above and
-below seqlen_k) and GQA; gradients poisoned first so that an unwritten element cannot pass."""
+below seqlen_k) and GQA; gradients poisoned first so that an unwritten element cannot pass.
+
+Every test runs twice (the `main_kernel` fixture): on compute capability 9.0 with the Hopper main
+kernel (flash_attn_bwd_sm90, where backward_sm90.applies takes the variant; these shapes are
+short, so its seqlen rule is lifted), and with KERNELGEN_BACKWARD=sm80 (the mma.sync kernel)."""
 import textwrap
 
 import pytest
 import torch
 
 import kernelgen
+from kernelgen import backward, backward_sm90, env
 from kernelgen.reference import attention_ref, max_error, rounding_allowance
 from kernelgen.spec import REPO_ROOT
 
@@ -17,6 +22,27 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 SHAPES = [(1, 300, 300, 4, 2), (2, 200, 513, 4, 4), (2, 513, 200, 2, 1), (1, 77, 1000, 8, 1)]  # b, sq, sk, h, hk
+
+
+@pytest.fixture(autouse=True, params=["sm90", "sm80"])
+def main_kernel(request, monkeypatch):
+    if request.param == "sm90":
+        if torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the Hopper backward runs on compute capability 9.0 only")
+        monkeypatch.setattr(backward_sm90, "SHORT_SEQLEN_K", 0)
+    else:
+        monkeypatch.setenv("KERNELGEN_BACKWARD", "sm80")
+    env.reload_settings()
+    backward._KERNELS.clear()   # its key does not hold the switch
+    yield request.param
+    backward._KERNELS.clear()
+    monkeypatch.undo()
+    env.reload_settings()
+
+
+def main_kernels() -> set[str]:
+    """The main kernels of the backwards run since the fixture cleared backward's memo."""
+    return {kernels.main.spec.name for kernels in backward._KERNELS.values()}
 
 
 def rand(*shape, dtype=torch.bfloat16, scale=1.0):
@@ -170,3 +196,17 @@ def test_a_forward_only_spec_refuses_gradients(tmp_path):
         kernel(q, q, q, temperature=2.0)   # the forward runs
     with pytest.raises(NotImplementedError, match="my_temperature .* forward-only: .*score_mod_grad"):
         kernel(q.requires_grad_(), q.detach(), q.detach(), temperature=2.0)
+
+
+@pytest.mark.parametrize("name, mod_args, head_dim, causal, sm90", [
+    ("flash_attn_softcap", {"softcap": 4.0}, 128, True, True),
+    ("flash_attn_window", {"window_left": 50, "window_right": 10}, 128, False, True),
+    ("flash_attn_window", {"window_left": 50, "window_right": 10}, 96, False, False),  # spills there
+])
+def test_which_main_kernel_runs(main_kernel, name, mod_args, head_dim, causal, sm90):
+    kernel = kernelgen.load(name, head_dim=head_dim, dtype="bf16", causal=causal)
+    q = rand(1, 200, 2, head_dim, scale=1.0).requires_grad_()
+    out = kernel(q, q.detach(), q.detach(), **mod_args)
+    torch.autograd.grad(out, q, torch.randn_like(out))
+    base = backward_sm90.SPEC if main_kernel == "sm90" and sm90 else backward.MAIN_SPEC
+    assert main_kernels() == {f"{name}__{base}"}
