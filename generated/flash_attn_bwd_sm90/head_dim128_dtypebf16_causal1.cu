@@ -9,6 +9,10 @@
 // heads, head_dim); k, v, dk, dv: (batch, seqlen_k, heads_k, head_dim); lse, dsum: (batch, heads,
 // seqlen_q) fp32; dq_accum: (batch, seqlen_q, heads, head_dim) fp32. Q, K, V, dO are read through
 // the tensor maps (their pointers and strides are for the host).
+// A spec's mods (the Mods struct below, if it has any; their arguments follow the tensor maps)
+// apply as in flash_attn_bwd:
+//   P[i, j] = exp(score_mod(scale * Q[i] . K[j]) - LSE[i]) (0 where mask_mod hides the pair),
+//   dS[i, j] = P[i, j] * (dO[i] . V[j] - D[i]) * score_mod_grad(scale * Q[i] . K[j]).
 // Variant: head_dim=128 dtype=bf16 causal=true arch=sm_90a
 // Config:  block_m=64 block_n=128 stages=2
 #include "kernelgen/flash_bwd_sm90.cuh"
