@@ -232,9 +232,9 @@ def _buffers(q, k, deterministic: bool) -> _Buffers:
 def _run(kernels: _Kernels, launch, dout, q, k, v, out, lse, scale: float,
          buffers: _Buffers | None = None, mod_args: tuple = (), dq_mod_args: tuple | None = None):
     """The launches, with tensors (None for a null pointer) in each kernel's argument order, the
-    main and dQ kernels' ending with `mod_args` (a spec's mods; the dQ kernel's with
-    `dq_mod_args` when given: a block mask's lists differ per tile); returns (dq, dk, dv), the
-    tensors of `buffers` when given."""
+    main and dQ kernels' ending with `mod_args` (a spec's mods, after the Hopper main kernel's
+    tensor maps; the dQ kernel's with `dq_mod_args` when given: a block mask's lists differ per
+    tile); returns (dq, dk, dv), the tensors of `buffers` when given."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     sizes = {"batch": batch, "heads": heads, "heads_k": heads_k, "seqlen_q": seqlen_q,
