@@ -15,9 +15,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "emulator"))
 import emulate  # noqa: E402
+from gradients import assert_gradients, grads  # noqa: E402,F401  (grads: test_blockmask_emulated)
 
 from kernelgen import backward  # noqa: E402
-from kernelgen.reference import attention_ref, max_error, rounding_allowance  # noqa: E402
+from kernelgen.reference import attention_ref  # noqa: E402
 from kernelgen.spec import load_spec  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not emulate.available(), reason="the emulator needs g++")
@@ -53,13 +54,6 @@ def launch(kernel, args, sizes):
                 dict(zip((a.name for a in kernel.spec.args), args)))
 
 
-def grads(q, k, v, dout, causal, scale, upcast, score_mod=None, mask_mod=None):
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    out, _ = attention_ref(*leaves, causal, scale, upcast=upcast, score_mod=score_mod,
-                           mask_mod=mask_mod)
-    return torch.autograd.grad(out, leaves, dout)
-
-
 def check(q, k, v, dout, causal, arch, config=None, deterministic=False, *, mods=None,
           mod_args=(), score_mod=None, mask_mod=None, dq_config=None):
     """mods: a spec with mods (test_mods_bwd_emulated.py), run with `mod_args` (kernel order);
@@ -70,16 +64,7 @@ def check(q, k, v, dout, causal, arch, config=None, deterministic=False, *, mods
     kernels = emulated_kernels(head_dim, q.dtype, causal, deterministic, arch, config, mods,
                                dq_config)
     got = backward._run(kernels, launch, dout, q, k, v, out, lse, scale, mod_args=mod_args)
-    refs = grads(q, k, v, dout, causal, scale, True, score_mod, mask_mod)
-    pts = grads(q, k, v, dout, causal, scale, False, score_mod, mask_mod)
-    for name, g, ref, pt, like in zip(("dq", "dk", "dv"), got, refs, pts, (q, k, v)):
-        assert g.shape == like.shape and g.dtype == like.dtype, name
-        assert not g.isnan().any(), f"{name} has NaN (unwritten or bad math)"
-        err, err_pt = max_error(g, ref), max_error(pt, ref)
-        # + 1e-4: with one visible key dS is exactly 0, and so is the reference.
-        assert err <= 2 * err_pt + rounding_allowance(ref) + 1e-4, (name, err, err_pt)
-    empty = ~torch.isfinite(lse).transpose(1, 2)  # (batch, seqlen_q, heads): rows that see no key
-    assert torch.all(got[0][empty] == 0)
+    assert_gradients(got, q, k, v, dout, lse, causal, scale, score_mod, mask_mod)
     return got
 
 
