@@ -213,12 +213,8 @@ __device__ __forceinline__ bool mod_mask_needed(const Mods& mods, int kv0, int q
 // The first index in [from, count) for which seen(index) holds, else count: each step tries 32
 // indices, one per lane, and takes the least with a warp min (uniform over the warp), so a long
 // run of skipped tiles costs little.
-// Both searches stay rolled and count by ballot: unrolled copies, or a shuffle sum, cost the
-// Hopper backward's consumers registers they do not have (window at head_dim 128 spills with
-// either); flash_bwd_sm90.cuh uses them too.
 template <class Seen>
 __device__ __forceinline__ int first_seen(int from, int count, int lane, const Seen& seen) {
-    #pragma unroll 1
     for (int base = from; base < count; base += 32) {
         const int index = base + lane;
         int found = index < count && seen(index) ? index : count;
@@ -230,14 +226,17 @@ __device__ __forceinline__ int first_seen(int from, int count, int lane, const S
     return count;
 }
 
-// How many indices in [0, count) satisfy seen (a warp ballot per 32 indices).
+// How many indices in [0, count) satisfy seen (a warp sum per 32 indices).
 template <class Seen>
 __device__ __forceinline__ int count_seen(int count, int lane, const Seen& seen) {
     int total = 0;
-    #pragma unroll 1
     for (int base = 0; base < count; base += 32) {
         const int index = base + lane;
-        total += __popc(__ballot_sync(0xffffffffu, index < count && seen(index)));
+        int hits = index < count && seen(index) ? 1 : 0;
+        #pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2)
+            hits += __shfl_xor_sync(0xffffffffu, hits, offset);
+        total += hits;
     }
     return total;
 }

@@ -134,6 +134,34 @@ __device__ __forceinline__ bool bwd_pair_seen(const BwdArgs<typename C::Elem>& a
 template <class Mods>
 constexpr bool kBwdSkipPairs = Mods::kKvRange && !Mods::kBlockSparse;
 
+// first_seen and count_seen (flash_bwd_sm80.cuh) kept rolled, the count by ballot: unrolled
+// copies of the search, or a shuffle sum, cost the consumers registers they do not have (window
+// at head_dim 128 spills with either).
+template <class Seen>
+__device__ __forceinline__ int bwd_first_seen(int from, int count, int lane, const Seen& seen) {
+    #pragma unroll 1
+    for (int base = from; base < count; base += 32) {
+        const int index = base + lane;
+        int found = index < count && seen(index) ? index : count;
+        #pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2)
+            found = min(found, __shfl_xor_sync(0xffffffffu, found, offset));
+        if (found < count) return found;
+    }
+    return count;
+}
+
+template <class Seen>
+__device__ __forceinline__ int bwd_count_seen(int count, int lane, const Seen& seen) {
+    int total = 0;
+    #pragma unroll 1
+    for (int base = 0; base < count; base += 32) {
+        const int index = base + lane;
+        total += __popc(__ballot_sync(0xffffffffu, index < count && seen(index)));
+    }
+    return total;
+}
+
 template <class C, class Mods>
 __device__ __forceinline__ BwdWork bwd_work(const BwdArgs<typename C::Elem>& a, const Mods& mods) {
     // Causal grids put the KV tile slowest (the spec's launch: longest first).
@@ -153,7 +181,7 @@ __device__ __forceinline__ BwdWork bwd_work(const BwdArgs<typename C::Elem>& a, 
         for (int g = 0; g < group; ++g)
             n_iter += mods.sparse_row(batch, kv_head * group + g, n_block).n_blocks;
     } else if constexpr (kBwdSkipPairs<Mods>) {
-        n_iter = count_seen(per_head * group, threadIdx.x % 32, [&](int pair) {
+        n_iter = bwd_count_seen(per_head * group, threadIdx.x % 32, [&](int pair) {
             return bwd_pair_seen<C>(a, mods, kv_head, batch, kv0, group, m_first, per_head, pair);
         });
     }
@@ -198,7 +226,7 @@ struct BwdWalk {
         }
     }
     __device__ __forceinline__ int find(int from) const {
-        return first_seen(from, w.per_head * w.group, int(threadIdx.x % 32), [&](int pair) {
+        return bwd_first_seen(from, w.per_head * w.group, int(threadIdx.x % 32), [&](int pair) {
             return bwd_pair_seen<C>(a, mods, w.kv_head, w.batch, w.kv0, w.group, w.m_first,
                                     w.per_head, pair);
         });
