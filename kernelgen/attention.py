@@ -160,15 +160,16 @@ class AttentionKernel:
             specs = [mods_sm90.sm90_spec(self.spec)]
         else:
             specs = [self.spec]
-        differentiable = (self.spec.mods.score_mod is None
-                          or self.spec.mods.score_mod_grad is not None)
-        if backward is None:
-            backward = differentiable
+        if backward is None:   # differentiable: no score_mod, or one with its derivative
+            backward = (self.spec.mods.score_mod is None
+                        or self.spec.mods.score_mod_grad is not None)
         if backward:
             from kernelgen import backward as gradients   # the argument hides the module
 
             gradients.check_differentiable(self.spec)
-            specs.append(load_spec(self.spec.path, onto=gradients.MAIN_SPEC))
+            base = gradients.main_spec_name(q.shape[-1], device, False, k.shape[1], self.spec,
+                                            self.params)   # the kernel its gradients will run
+            specs.append(load_spec(self.spec.path, onto=base))
         results = []
         for spec in specs:
             params = {n: v for n, v in self.params.items() if n in {p.name for p in spec.params}}

@@ -84,6 +84,15 @@ def _main_config(device: int, problem: tune.Problem, spec: KernelSpec | None = N
     return tune.lookup(spec, variant, problem, device).as_dict()
 
 
+def main_spec_name(head_dim: int, device: int, deterministic: bool, seqlen_k: int,
+                   mods: KernelSpec | None = None, params: dict | None = None) -> str:
+    """The base of the main kernel a backward runs (what AttentionKernel.tune tunes too): on
+    compute capability 9.0, with atomics allowed and more than a short sequence of keys, the
+    Hopper kernel (backward_sm90.applies), else flash_attn_bwd."""
+    return (backward_sm90.SPEC if backward_sm90.applies(head_dim, device, deterministic,
+                                                        seqlen_k, mods, params) else MAIN_SPEC)
+
+
 def _kernels(head_dim: int, dtype: str, causal: bool, device: int, deterministic: bool,
              sizes: tuple[int, int, int, int, int], mods: ModArgs | None = None) -> _Kernels:
     """sizes: (batch, heads, heads_k, seqlen_q, seqlen_k), a tune.Problem's fields; a plain tuple
@@ -97,10 +106,8 @@ def _kernels(head_dim: int, dtype: str, causal: bool, device: int, deterministic
         variant = dict(head_dim=head_dim, dtype=dtype, causal=causal)
         if mods is not None:
             variant = dict(mods.params)
-        # Compute capability 9.0, atomics allowed, not short: the Hopper main kernel (backward_sm90).
-        main_name = (backward_sm90.SPEC if backward_sm90.applies(
-            head_dim, device, deterministic, sizes[4], None if mods is None else mods.spec,
-            variant) else MAIN_SPEC)
+        main_name = main_spec_name(head_dim, device, deterministic, sizes[4],
+                                   None if mods is None else mods.spec, variant)
         main, dq = _backward_spec(main_name, mods), _backward_spec(DQ_SPEC, mods)
         problem = tune.Problem(*sizes)
         kernels = _Kernels(_load(PREP_SPEC, device, dtype=dtype),
