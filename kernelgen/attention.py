@@ -142,24 +142,26 @@ class AttentionKernel:
             self._kernels[key] = bound
         return bound
 
-    def tune(self, q, k, v, *, backward: bool | None = None, **mod_args) -> list:
+    def tune(self, q, k, v, *, forward: bool = True, backward: bool | None = None,
+             **mod_args) -> list:
         """Tune this kernel on the GPU for the sizes of q, k, v and these mod arguments (what it
         will run on: a mask's data decides which tiles have work), and store the choices in the
-        tuning DB, where later calls find them: the forward of the family this GPU runs (the
-        Hopper one on compute capability 9.0) and, unless backward=False, the backward's main
-        kernel if the spec is differentiable. Returns the tune.TuneResults."""
+        tuning DB, where later calls find them: unless forward=False, the forward of the family
+        this GPU runs (the Hopper one on compute capability 9.0) and, unless backward=False, the
+        backward's main kernel if the spec is differentiable. Returns the tune.TuneResults."""
         ops._check_inputs(q, k, v)
         values = self._mod_values(mod_args, q.device)
         named = dict(zip((a.name for a in self.mod_args), values))
         device = q.device.index
         batch, seqlen_q, heads, _ = q.shape
         problem = tune.Problem(batch, heads, k.shape[2], seqlen_q, k.shape[1])
-        if ops.forward_family(device) == "sm90":
+        specs = []
+        if forward and ops.forward_family(device) == "sm90":
             from kernelgen import mods_sm90
 
-            specs = [mods_sm90.sm90_spec(self.spec)]
-        else:
-            specs = [self.spec]
+            specs.append(mods_sm90.sm90_spec(self.spec))
+        elif forward:
+            specs.append(self.spec)
         if backward is None:   # differentiable: no score_mod, or one with its derivative
             backward = (self.spec.mods.score_mod is None
                         or self.spec.mods.score_mod_grad is not None)

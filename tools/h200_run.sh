@@ -28,15 +28,23 @@ for step in $STEPS; do
     bwd90)   gpu_tests tests/test_bwd_sm90_gpu.py | tee "$OUT/bwd90.log" | tail -30 ;;
     blockmask) gpu_tests tests/test_blockmask_gpu.py | tee "$OUT/blockmask.log" | tail -30
              KERNELGEN_FORWARD=sm80 gpu_tests tests/test_blockmask_gpu.py | tee "$OUT/blockmask80.log" | tail -4 ;;
-    tunemodsdb) timeout $T python3 tools/tune_mods.py --export "$OUT/tuned_mods.json" ${TUNE_MODS_ARGS} 2>&1 \
-               | tee "$OUT/tune_mods.log" | grep -v '^\[' ;;
-    ncu)     for target in "flash_attn_fwd_sm90:" "cudnn:--sdpa cudnn"; do
-               kernel=${target%%:*}; args=${target#*:}
-               timeout $T ncu --clock-control none -k regex:${NCU_KERNEL:-$kernel} -c 1 --launch-skip 3 \
+    tunemodsdb) # TUNE_MODS_ARGS: argument sets of tools/tune_mods.py separated by ';'
+             IFS=';' read -ra runs <<< "${TUNE_MODS_ARGS:- }"
+             for args in "${runs[@]}"; do
+               timeout $T python3 tools/tune_mods.py --export "$OUT/tuned_mods.json" $args 2>&1 \
+                 | tee -a "$OUT/tune_mods.log" | grep -v '^\['
+             done ;;
+    ncu)     # NCU_CASES: "kernel-regex@profile_fwd.py args" items separated by ';'
+             IFS=';' read -ra cases <<< "${NCU_CASES:-flash_attn_fwd_sm90@;sdpa|fmha|fprop|cudnn@--sdpa cudnn}"
+             for case in "${cases[@]}"; do
+               kernel=${case%%@*}; args=${case#*@}
+               echo "--- $kernel $args" | tee -a "$OUT/ncu.log"
+               timeout $T ncu --clock-control none -k "regex:$kernel" -c 1 --launch-skip 3 \
                  --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
-                 --section SchedulerStats --section LaunchStats \
-                 python3 tools/profile_fwd.py $args ${PROFILE_ARGS} 2>&1 | tee -a "$OUT/ncu.log" \
-                 | grep -E "Throughput|Pipe|Stall|Issue|Eligible|Active Warps|Registers|Duration|SM Frequency|Block Size|Grid Size|==PROF==|sm90|cudnn" | head -60
+                 --section SchedulerStats --section LaunchStats --section Occupancy \
+                 --metrics "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,sm__cycles_elapsed.avg.per_second,regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio" \
+                 python3 tools/profile_fwd.py $args 2>&1 | tee -a "$OUT/ncu.log" \
+                 | grep -E "gmma|pipe_|per_second|Throughput|Issue Slots|Eligible|Active Warps|Registers|Duration|Block Size|Grid Size|==PROF==|==ERROR==|Context|stalled_(barrier|long|wait|math|mio|short|dispatch|no_inst|sleeping|membar|branch|lg|selected|not_selected|tex|drain|misc)" | head -60
              done ;;
     pytest)  gpu_tests ${PYTEST_ARGS} | tee -a "$OUT/pytest.log" | tail -30 ;;
     sm90)    gpu_tests tests/test_sm90_gpu.py | tee "$OUT/sm90.log" | tail -30 ;;

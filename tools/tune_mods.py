@@ -2,7 +2,7 @@
 heads, batch x seqlen = 16k tokens), forward and backward, through AttentionKernel.tune, and
 export the tuning DB in the shipped-defaults format.
 
-    python tools/tune_mods.py [--seqlens 4096] [--mods window softcap alibi] [--export FILE]
+    python tools/tune_mods.py [--seqlens 4096] [--mods window softcap alibi] [--pass bwd] [--export FILE]
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--seqlens", type=int, nargs="+", default=[4096])
     parser.add_argument("--mods", nargs="+", default=["window", "softcap", "alibi", "document"])
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--pass", dest="passes", choices=["fwd", "bwd", "both"], default="both")
     parser.add_argument("--export", metavar="FILE")
     opts = parser.parse_args()
     heads = bench_mods.HIDDEN // opts.head_dim
@@ -48,7 +49,8 @@ def main() -> None:
                 name, args = mod_args(mod, causal, heads, batch, seqlen)
                 kernel = kernelgen.load(name, head_dim=opts.head_dim, dtype="bf16", causal=causal)
                 start = time.perf_counter()
-                for result in kernel.tune(q, k, v, **args):
+                for result in kernel.tune(q, k, v, forward=opts.passes != "bwd",
+                                          backward=opts.passes != "fwd", **args):
                     chosen, default = result.chosen, result.trial(result.default)
                     ratio = (default.timing.median_ms / chosen.timing.median_ms
                              if chosen and default and default.timing else float("nan"))
