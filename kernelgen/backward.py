@@ -75,6 +75,12 @@ def _load(spec: KernelSpec | str, device: int, config=None, **params) -> api.Bou
     return api.load(spec, arch=api.pick_arch(spec, device), config=config, **params)
 
 
+def prep_kernel(device: int, dtype: str) -> api.BoundKernel:
+    """The prep kernel (D = rowsum(dO * O), dQ accumulator zeroed) for this GPU: its own arch,
+    which is not the main kernel's (the Hopper main kernel is sm_90a, the prep plain sm_90)."""
+    return _load(PREP_SPEC, device, dtype=dtype)
+
+
 def _main_config(device: int, problem: tune.Problem, spec: KernelSpec | None = None, **params):
     """The main kernel's config: the tuner's lookup (memo, tuning DB, shipped tuned defaults, then
     the spec's heuristic). The deterministic path takes the same one, tuned with dQ atomics: its
@@ -110,7 +116,7 @@ def _kernels(head_dim: int, dtype: str, causal: bool, device: int, deterministic
                                    None if mods is None else mods.spec, variant)
         main, dq = _backward_spec(main_name, mods), _backward_spec(DQ_SPEC, mods)
         problem = tune.Problem(*sizes)
-        kernels = _Kernels(_load(PREP_SPEC, device, dtype=dtype),
+        kernels = _Kernels(prep_kernel(device, dtype),
                            _load(main, device, _main_config(device, problem, main, **variant), **variant),
                            _load(dq, device, **variant) if deterministic else None)
         if len(_KERNELS) >= _MAX_KERNELS:

@@ -106,7 +106,7 @@ class Workload:
 
     def launcher(self, kernel: api.BoundKernel):
         """fn() that runs one backward with `kernel` as the main kernel, into self.buffers."""
-        prep = api.load(backward.PREP_SPEC, arch=kernel.variant.arch, dtype=kernel.variant["dtype"])
+        prep = backward.prep_kernel(self.device, kernel.variant["dtype"])
         kernels = backward._Kernels(prep, kernel, None)
         launch = backward._launcher(self.device)
         args = (self.dout, self.q, self.k, self.v, self.out, self.lse, self.scale)

@@ -209,7 +209,7 @@ class BackwardWorkload(measure_bwd.Workload):
             raise TuneError(f"{spec.name}: not a backward spec with mods (measure_mods.py)")
 
     def launcher(self, kernel: api.BoundKernel):
-        prep = api.load(backward.PREP_SPEC, arch=kernel.variant.arch, dtype=kernel.variant["dtype"])
+        prep = backward.prep_kernel(self.device, kernel.variant["dtype"])
         kernels = backward._Kernels(prep, kernel, None)
         launch = backward._launcher(self.device)
         args = (self.dout, self.q, self.k, self.v, self.out, self.lse, self.scale)

@@ -44,10 +44,12 @@ def emulated_wgmma(text: str) -> str:
     return text
 
 
-def forward(q, k, v, causal, config=None, seed=0, lazy=False, spec=SPEC, mod_args=None, out=None):
+def forward(q, k, v, causal, config=None, seed=0, lazy=False, spec=SPEC, mod_args=None, out=None,
+            l2_bytes=None):
     """The emulated kernel of `spec` (this family, or a mods spec put onto it), with the mod
     arguments `mod_args` by name (tensors for `ptr`); returns (out, lse). `out`: where O goes
-    (default: a fresh NaN-filled tensor like q)."""
+    (default: a fresh NaN-filled tensor like q). `l2_bytes`: the persistent causal schedule's
+    section budget (KG_L2_SECTION_BYTES), small enough to give these shapes several sections."""
     head_dim = q.shape[-1]
     variant = spec.variant(head_dim=head_dim, dtype=NAMES[q.dtype], causal=causal)
     config = spec.default_config(variant) if config is None else spec.parse_config(config)
@@ -68,7 +70,9 @@ def forward(q, k, v, causal, config=None, seed=0, lazy=False, spec=SPEC, mod_arg
     args = dict(q=q, k=k, v=v, o=out, lse=lse, batch=batch, heads=heads, heads_k=k.shape[2],
                 seqlen_q=seqlen_q, seqlen_k=k.shape[1], softmax_scale=1 / math.sqrt(head_dim),
                 **strides, **maps, **(mod_args or {}))
-    emulate.run(spec, variant, config, args, seed=seed, defer=lazy, transform=emulated_wgmma)
+    define = "" if l2_bytes is None else f"#define KG_L2_SECTION_BYTES {l2_bytes}\n"
+    emulate.run(spec, variant, config, args, seed=seed, defer=lazy,
+                transform=lambda text: define + emulated_wgmma(text))
     return out, lse
 
 
@@ -148,6 +152,20 @@ def test_forward(head_dim, dtype, causal, shape, config, lazy):
     q = make(batch, seqlen_q, heads, head_dim, dtype)
     k, v = (make(batch, seqlen_k, heads_k, head_dim, dtype) for _ in range(2))
     check(q, k, v, causal, config=config, seed=seqlen_k, lazy=lazy)
+
+
+@pytest.mark.parametrize("q_buffers", [1, 2])
+def test_persistent_causal_sections(q_buffers):
+    """The persistent causal schedule in sections of pairs (TileSchedule), each longest first,
+    across 3 emulated CTAs: a budget of one K/V head's bytes with GQA 2 makes 6 sections of 2
+    pairs; of two K/V heads' bytes without GQA, 5 pairs in sections of 2, 2 and a short one of 1."""
+    for batch, heads, heads_k, budget_heads in ((2, 6, 3, 1), (1, 5, 5, 2)):
+        torch.manual_seed(heads)
+        q = make(batch, 300, heads, 64)
+        k, v = (make(batch, 270, heads_k, 64) for _ in range(2))
+        check(q, k, v, True, config={"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2,
+                                     "persistent": 1, "q_buffers": q_buffers},
+              seed=heads, lazy=q_buffers == 2, l2_bytes=budget_heads * 4 * 270 * 64)
 
 
 def test_strided_view_with_64b_swizzle():

@@ -4,6 +4,7 @@
         --section SpeedOfLight --section WarpStateStats ... python3 tools/profile_fwd.py
 
 Runs kernelgen's forward (hd128 bf16 by default) a few times, so the profiled launch is a warm one.
+`--mod window|softcap|alibi|document` runs that case of `kernelgen bench --mods` instead.
 """
 from __future__ import annotations
 
@@ -20,12 +21,20 @@ def main() -> None:
     parser.add_argument("--seqlen", type=int, default=8192)
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--sdpa", choices=["flash", "cudnn"], help="run SDPA's backend instead")
+    parser.add_argument("--mod", help="a case of `kernelgen bench --mods` (kernelgen's side)")
     opts = parser.parse_args()
     heads, batch = 2048 // opts.head_dim, max(1, 16384 // opts.seqlen)
     q, k, v = (torch.randn(batch, opts.seqlen, heads, opts.head_dim, device="cuda",
                            dtype=torch.bfloat16) for _ in range(3))
+    if opts.mod:
+        from kernelgen import bench_mods
+
+        case = bench_mods.build_case(opts.mod, opts.causal, batch, heads, opts.seqlen,
+                                     opts.head_dim, "cuda")
     for _ in range(5):
-        if opts.sdpa:
+        if opts.mod:
+            case.kernelgen(q, k, v)
+        elif opts.sdpa:
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}

@@ -152,18 +152,34 @@ __device__ __forceinline__ TileWork tile_work(const FwdArgs<typename C::Elem>& a
 
 // The tiles one CTA computes, in order. Not persistent: the one tile of its blockIdx (causal: the
 // last query tiles, which see the most keys, launch first). Persistent (at most one CTA per SM):
-// linear tiles blockIdx.x, blockIdx.x + gridDim.x, ...; causal takes the last query tile of every
-// (batch, head) first, so the short tiles fill in at the end (longest first); otherwise the query
-// tiles of one head are neighbours and share its K and V in L2. The producer and every consumer
-// walk the same list, and the smem rings and barrier phases run on across tiles, so the next
-// tile's loads overlap this tile's epilogue.
+// linear tiles blockIdx.x, blockIdx.x + gridDim.x, ...; otherwise the query tiles of one head are
+// neighbours and share its K and V in L2. Causal runs longest first, but within sections of
+// `section` (batch, head) pairs whose K and V fit in a share of L2 (kL2Bytes): a section's last
+// query tiles first, then the ones before them, down to its first; then the next section. Longest
+// first over every pair at once (one section) would read each pair's K and V once per query tile
+// from DRAM, as the pairs' tiles come 132 tiles apart or more: at 512 keys that was 1.75x the
+// compulsory traffic and the kernel was DRAM-bound (ncu: 82% of DRAM bandwidth). The producer and
+// every consumer walk the same list, and the smem rings and barrier phases run on across tiles, so
+// the next tile's loads overlap this tile's epilogue.
+// K and V bytes of the pairs a section keeps in flight: a quarter of the H100/H200 L2 (50 MB in two
+// partitions, whose data may be duplicated), so that Q and O streaming through leave them in
+// place. A macro so that the emulated tests can cut shapes small enough to run into many sections.
+#ifndef KG_L2_SECTION_BYTES
+#define KG_L2_SECTION_BYTES (12ll << 20)
+#endif
 template <class C, class Mods>
 struct TileSchedule {
+    static constexpr i64 kL2Bytes = KG_L2_SECTION_BYTES;
     const Mods& mods;
-    int m_blocks, heads, count;
+    int m_blocks, heads, count, section;
     __device__ __forceinline__ TileSchedule(const FwdArgs<typename C::Elem>& a, const Mods& m)
         : mods(m), m_blocks(cdiv(a.seqlen_q, C::kBlockM)), heads(a.heads),
-          count(C::kPersistent ? m_blocks * a.heads * a.batch : 1) {}
+          count(C::kPersistent ? m_blocks * a.heads * a.batch : 1) {
+        // Consecutive pairs are consecutive heads of one batch, `group` of which share a K/V head.
+        const i64 kv_bytes = 4ll * max(a.seqlen_k, 1) * C::kHeadDim;  // K and V of one head
+        const int group = a.heads / a.heads_k;
+        section = int(max(i64(1), kL2Bytes / kv_bytes) * group);
+    }
     __device__ __forceinline__ int first() const { return C::kPersistent ? blockIdx.x : 0; }
     __device__ __forceinline__ int step() const { return C::kPersistent ? gridDim.x : 1; }
     __device__ __forceinline__ TileWork at(const FwdArgs<typename C::Elem>& a, int t) const {
@@ -172,9 +188,11 @@ struct TileSchedule {
                                 blockIdx.y, blockIdx.z);
         int m_block, hb;
         if constexpr (C::kCausal) {
-            const int pairs = count / m_blocks;
-            m_block = m_blocks - 1 - t / pairs;
-            hb = t % pairs;
+            const int pairs = count / m_blocks, per_section = section * m_blocks;
+            const int first_pair = t / per_section * section, u = t % per_section;
+            const int in_section = min(section, pairs - first_pair);  // the last one may be short
+            m_block = m_blocks - 1 - u / in_section;
+            hb = first_pair + u % in_section;
         } else {
             m_block = t % m_blocks;
             hb = t / m_blocks;
@@ -491,6 +509,8 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     } else {
         // Overlapped (FA3's IntraWGOverlap): S of block i and O += P V of block i - 1 are in flight
         // together; softmax of block i runs while the P V group still occupies the tensor cores.
+        // O is rescaled by block i - 1's alpha after S's group is issued, in its shadow, rather
+        // than between the last wait and the next issue, where nothing else runs (FA3's order).
         mbarrier_wait(bar.full_k(stage(0)), parity(0));
         turns.acquire();
         fence_operands(acc_s);
@@ -502,6 +522,15 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha);  // O is 0: alpha unused
         release_previous_q();
         pack_p<C>(p, acc_s);
+        // O *= alpha of the block before, pinned after the S group's issue (the compiler would
+        // hoist it above: issue_qk does not touch O), and fenced for the P V group that reads O.
+        // Block 0's alpha multiplies an O of zeros.
+        const auto rescale_after_issue = [&] {
+            fence_operands(acc_o);
+            rescale_o<C>(acc_o, alpha);
+            fence_operands(acc_o);
+            wgmma_fence();
+        };
         for (int i = 1; i < n_blocks; ++i) {
             mbarrier_wait(bar.full_k(stage(i)), parity(i));
             turns.acquire();
@@ -509,6 +538,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             fence_pv_operands();
             wgmma_fence();
             issue_qk<C>(acc_s, desc_q, stage_desc(desc_k, i));
+            rescale_after_issue();
             mbarrier_wait(bar.full_v(stage(i - 1)), parity(i - 1));
             issue_pv<C>(acc_o, p, stage_desc(desc_v, i - 1));
             turns.release(false);
@@ -518,12 +548,12 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             wgmma_wait<0>();
             fence_operands(acc_o);
             if (lane == 0) mbarrier_arrive(bar.empty_v(stage(i - 1)));
-            rescale_o<C>(acc_o, alpha);
             pack_p<C>(p, acc_s);
         }
         const int last = n_blocks - 1;
         mbarrier_wait(bar.full_v(stage(last)), parity(last));
         turns.acquire();
+        if (n_blocks > 1) rescale_o<C>(acc_o, alpha);
         fence_pv_operands();
         wgmma_fence();
         issue_pv<C>(acc_o, p, stage_desc(desc_v, last));
