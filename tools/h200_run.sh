@@ -56,9 +56,14 @@ for step in $STEPS; do
     tune128) for c in false true; do timeout $T python3 -m kernelgen.cli tune flash_attn_fwd \
                --set head_dim=128 --set dtype=bf16 --set causal=$c \
                --shape batch=4,seqlen=4096,heads=16 2>&1 | tail -12; done | tee "$OUT/tune128.log" ;;
-    grid)    timeout $T python3 -m kernelgen.cli tune --preset ${PRESET:-fwd-grid} --top ${TOP:-4} \
-               --export "$OUT/tuned_${PRESET:-fwd-grid}.json" ${GRID_ARGS} 2>&1 | tee "$OUT/grid.log" \
-               | grep -v '^\[' | tail -${GRID_TAIL:-40} ;;
+    grid)    # GRID_ARGS: argument sets of one preset's tune runs separated by ';' (the export after
+             # each holds the whole DB, so the last one has every run)
+             IFS=';' read -ra runs <<< "${GRID_ARGS:- }"
+             for args in "${runs[@]}"; do
+               timeout $T python3 -m kernelgen.cli tune --preset ${PRESET:-fwd-grid} --top ${TOP:-4} \
+                 --export "$OUT/tuned_${PRESET:-fwd-grid}.json" $args 2>&1 | tee -a "$OUT/grid.log" \
+                 | grep -v '^\[' | grep -E "chosen|summary|wrote|Error|error" | tail -${GRID_TAIL:-40}
+             done ;;
     probe)   python3 -c "import matplotlib; print('matplotlib', matplotlib.__version__)" 2>&1 | tail -1
              python3 tools/probe_tma.py 2>&1 | tee "$OUT/probe.log" ;;
     bench)   timeout $T python3 -m kernelgen.cli bench --out "$OUT" ${BENCH_ARGS} 2>&1 | tee "$OUT/bench.log" ;;
