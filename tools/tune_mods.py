@@ -13,6 +13,7 @@ import torch
 
 import kernelgen
 from kernelgen import bench_mods, tune
+from kernelgen.tune_cli import format_table
 
 
 def mod_args(mod: str, causal: bool, heads: int, batch: int, seqlen: int) -> tuple[str, dict]:
@@ -51,12 +52,7 @@ def main() -> None:
                 start = time.perf_counter()
                 for result in kernel.tune(q, k, v, forward=opts.passes != "bwd",
                                           backward=opts.passes != "fwd", **args):
-                    chosen, default = result.chosen, result.trial(result.default)
-                    ratio = (default.timing.median_ms / chosen.timing.median_ms
-                             if chosen and default and default.timing else float("nan"))
-                    print(f"{result.spec:40s} causal={int(causal)} seqlen={seqlen}: "
-                          f"{chosen.config.slug if chosen else 'none passed'} "
-                          f"{ratio:.2f}x the default", flush=True)
+                    print(format_table(result, top=3 if result.chosen else 0), flush=True)
                 print(f"  ({time.perf_counter() - start:.0f} s)", flush=True)
     if opts.export:
         print(f"exported {tune.export_defaults(opts.export)} entries to {opts.export}")
