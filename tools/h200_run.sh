@@ -46,6 +46,11 @@ for step in $STEPS; do
                  python3 tools/profile_fwd.py $args 2>&1 | tee -a "$OUT/ncu.log" \
                  | grep -E "gmma|pipe_|per_second|Throughput|Issue Slots|Eligible|Active Warps|Registers|Duration|Block Size|Grid Size|==PROF==|==ERROR==|Context|stalled_(barrier|long|wait|math|mio|short|dispatch|no_inst|sleeping|membar|branch|lg|selected|not_selected|tex|drain|misc)" | head -60
              done ;;
+    bwdcheck) # BWDCHECK_ARGS: argument sets of tools/bwd_check.py separated by ';'
+             IFS=';' read -ra runs <<< "${BWDCHECK_ARGS:- }"
+             for args in "${runs[@]}"; do
+               timeout $T python3 tools/bwd_check.py $args 2>&1 | tee -a "$OUT/bwdcheck.log" | tail -6
+             done ;;
     pytest)  gpu_tests ${PYTEST_ARGS} | tee -a "$OUT/pytest.log" | tail -30 ;;
     sm90)    gpu_tests tests/test_sm90_gpu.py | tee "$OUT/sm90.log" | tail -30 ;;
     memcheck) timeout $T compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
