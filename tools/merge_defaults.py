@@ -3,6 +3,10 @@
 spec, variant, arch, bucket and GPU is replaced, others are added.
 
     python tools/merge_defaults.py EXPORTED.json [...]
+    python tools/merge_defaults.py --rehash SPEC      after an edit of SPEC that leaves its configs'
+                                                      meaning alone (a comment): its entries, and
+                                                      those of mods specs put onto it, take the
+                                                      spec's new content hash
 """
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ KEY = ("spec", "variant", "arch", "bucket", "gpu")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("exports", nargs="+", type=Path)
+    parser.add_argument("exports", nargs="*", type=Path)
+    parser.add_argument("--rehash", metavar="SPEC", action="append", default=[])
     opts = parser.parse_args()
     shipped = json.loads(SHIPPED.read_text())
     entries = {tuple(e[k] for k in KEY): e for e in shipped["entries"]}
@@ -29,6 +34,16 @@ def main() -> None:
             key = tuple(entry[k] for k in KEY)
             print(f"{'replaced' if key in entries else 'added':8s} {' '.join(map(str, key[:4]))}")
             entries[key] = entry
+    for name in opts.rehash:
+        from kernelgen.spec import load_spec
+
+        for entry in entries.values():
+            child, onto, base = entry["spec"].partition("__")
+            if entry["spec"] == name or (onto and base == name):
+                new = load_spec(child, onto=base if onto else None).content_hash
+                if new != entry["spec_hash"]:
+                    print(f"rehashed {entry['spec']} {entry['variant']} {entry['bucket']}")
+                    entry["spec_hash"] = new
     shipped["entries"] = [entries[k] for k in sorted(entries)]
     SHIPPED.write_text(json.dumps(shipped, indent=1) + "\n")
     print(f"{SHIPPED}: {len(entries)} entries")

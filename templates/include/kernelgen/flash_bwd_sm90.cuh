@@ -164,10 +164,15 @@ __device__ __forceinline__ int bwd_count_seen(int count, int lane, const Seen& s
 
 template <class C, class Mods>
 __device__ __forceinline__ BwdWork bwd_work(const BwdArgs<typename C::Elem>& a, const Mods& mods) {
-    // Causal grids put the KV tile slowest (the spec's launch: longest first).
-    const int n_block = C::kCausal ? blockIdx.z : blockIdx.x;
+    // Causal grids put the KV tile in the middle (the spec's launch): per batch, every kv head's
+    // tile 0 (the most query rows) first, then every tile 1, ..., so the tiles sharing a head's Q,
+    // dO and dQ accumulators run close in time, in L2, and still longest first. (With the tile
+    // slowest over all batches, a pair's tiles ran a whole round of pairs apart: at 512 keys the
+    // kernel was slower causal than full.) blockIdx values, not computed ones: ptxas
+    // rematerializes them, where three more live registers spill the tightest mods variants.
+    const int n_block = C::kCausal ? blockIdx.y : blockIdx.x;
     const int kv_head = C::kCausal ? blockIdx.x : blockIdx.y;
-    const int batch = C::kCausal ? blockIdx.y : blockIdx.z;
+    const int batch = blockIdx.z;
     const int kv0 = n_block * C::kBlockN, group = a.heads / a.heads_k;
     const int m_tiles = cdiv(a.seqlen_q, C::kBlockM);
     int m_first = 0;

@@ -40,6 +40,7 @@
 #include "kernelgen/flash_fwd_sm80.cuh"  // FwdArgs: the argument list both families share
 #include "kernelgen/mbarrier.cuh"
 #include "kernelgen/tma.cuh"
+#include "kernelgen/tile_order.cuh"
 #include "kernelgen/tma_store.cuh"
 #include "kernelgen/wgmma.cuh"
 
@@ -153,32 +154,21 @@ __device__ __forceinline__ TileWork tile_work(const FwdArgs<typename C::Elem>& a
 // The tiles one CTA computes, in order. Not persistent: the one tile of its blockIdx (causal: the
 // last query tiles, which see the most keys, launch first). Persistent (at most one CTA per SM):
 // linear tiles blockIdx.x, blockIdx.x + gridDim.x, ...; otherwise the query tiles of one head are
-// neighbours and share its K and V in L2. Causal runs longest first, but within sections of
-// `section` (batch, head) pairs whose K and V fit in a share of L2 (kL2Bytes): a section's last
-// query tiles first, then the ones before them, down to its first; then the next section. Longest
-// first over every pair at once (one section) would read each pair's K and V once per query tile
-// from DRAM, as the pairs' tiles come 132 tiles apart or more: at 512 keys that was 1.75x the
-// compulsory traffic and the kernel was DRAM-bound (ncu: 82% of DRAM bandwidth). The producer and
-// every consumer walk the same list, and the smem rings and barrier phases run on across tiles, so
-// the next tile's loads overlap this tile's epilogue.
-// K and V bytes of the pairs a section keeps in flight: a quarter of the H100/H200 L2 (50 MB in two
-// partitions, whose data may be duplicated), so that Q and O streaming through leave them in
-// place. A macro so that the emulated tests can cut shapes small enough to run into many sections.
-#ifndef KG_L2_SECTION_BYTES
-#define KG_L2_SECTION_BYTES (12ll << 20)
-#endif
+// neighbours and share its K and V in L2; causal runs longest first in sections of (batch, head)
+// pairs whose K and V fit in L2 (tile_order.cuh). The producer and every consumer walk the same
+// list, and the smem rings and barrier phases run on across tiles, so the next tile's loads
+// overlap this tile's epilogue.
 template <class C, class Mods>
 struct TileSchedule {
-    static constexpr i64 kL2Bytes = KG_L2_SECTION_BYTES;
     const Mods& mods;
     int m_blocks, heads, count, section;
     __device__ __forceinline__ TileSchedule(const FwdArgs<typename C::Elem>& a, const Mods& m)
         : mods(m), m_blocks(cdiv(a.seqlen_q, C::kBlockM)), heads(a.heads),
           count(C::kPersistent ? m_blocks * a.heads * a.batch : 1) {
-        // Consecutive pairs are consecutive heads of one batch, `group` of which share a K/V head.
-        const i64 kv_bytes = 4ll * max(a.seqlen_k, 1) * C::kHeadDim;  // K and V of one head
+        // Consecutive pairs are consecutive heads of one batch, `group` of which share a K/V head
+        // (4 * seqlen_k * head_dim bytes of K and V).
         const int group = a.heads / a.heads_k;
-        section = int(max(i64(1), kL2Bytes / kv_bytes) * group);
+        section = section_pairs(4ll * a.seqlen_k * C::kHeadDim) * group;
     }
     __device__ __forceinline__ int first() const { return C::kPersistent ? blockIdx.x : 0; }
     __device__ __forceinline__ int step() const { return C::kPersistent ? gridDim.x : 1; }
@@ -188,11 +178,9 @@ struct TileSchedule {
                                 blockIdx.y, blockIdx.z);
         int m_block, hb;
         if constexpr (C::kCausal) {
-            const int pairs = count / m_blocks, per_section = section * m_blocks;
-            const int first_pair = t / per_section * section, u = t % per_section;
-            const int in_section = min(section, pairs - first_pair);  // the last one may be short
-            m_block = m_blocks - 1 - u / in_section;
-            hb = first_pair + u % in_section;
+            const SectionItem item = section_item(t, count / m_blocks, m_blocks, section);
+            m_block = m_blocks - 1 - item.rank;
+            hb = item.pair;
         } else {
             m_block = t % m_blocks;
             hb = t / m_blocks;

@@ -1,0 +1,42 @@
+// Longest first, in sections that fit in L2: the order in which the Hopper forward's persistent
+// causal schedule runs the tiles of many (batch, head) pairs. Longest first over every pair at
+// once (all pairs' longest tile, then all their second longest, ...) puts a pair's tiles a whole
+// round of pairs apart, so each one reads the pair's K and V from DRAM again once the pairs'
+// bytes exceed L2: at 512 keys the forward moved 1.75x the compulsory bytes and was DRAM-bound
+// (ncu: 82% of DRAM bandwidth). In sections, the pairs of one section run longest first among
+// themselves, then the next section's: the imbalance of the tail is that of the last section,
+// whose short tiles still come last. (The Hopper backward gets the same from its grid's order,
+// one batch per section: flash_bwd_sm90.cuh.)
+#pragma once
+#include "kernelgen/types.cuh"
+
+// The K and V bytes a section keeps in flight: a quarter of the H100/H200 L2 (50 MB in two
+// partitions, whose data may be duplicated), so that the Q and O streaming through beside them
+// leave them in place. A macro so that the emulated tests can cut shapes small enough to run
+// into many sections.
+#ifndef KG_L2_SECTION_BYTES
+#define KG_L2_SECTION_BYTES (12ll << 20)
+#endif
+
+namespace kg {
+
+// Pairs per section when each pair keeps `pair_bytes` in L2 (at least one).
+__device__ __forceinline__ int section_pairs(i64 pair_bytes) {
+    return int(max(i64(1), i64(KG_L2_SECTION_BYTES) / max(pair_bytes, i64(1))));
+}
+
+struct SectionItem {
+    int rank;  // 0: the pair's longest tile, 1: the next, ...
+    int pair;
+};
+
+// The t-th of the `pairs` x `ranks` (rank, pair) items, sections of `section` pairs in turn, each
+// section's rank 0 of every pair first, then its rank 1, ... (the last section may be short).
+__device__ __forceinline__ SectionItem section_item(int t, int pairs, int ranks, int section) {
+    const int per_section = section * ranks;
+    const int first = t / per_section * section, u = t % per_section;
+    const int in_section = min(section, pairs - first);
+    return SectionItem{u / in_section, first + u % in_section};
+}
+
+}  // namespace kg
