@@ -4,8 +4,8 @@ Launches on torch's current stream, without host synchronization:
   1. flash_attn_bwd_prep: D = rowsum(dO * O) in fp32, and zeroing of the fp32 dQ accumulator;
   2. flash_attn_bwd: dK and dV per KV tile (the query heads of a GQA group summed in registers),
      and dQ * scale added into the accumulator with fp32 atomics; dQ is the accumulator cast to
-     the input dtype. On compute capability 9.0 (head dims 64, 96, 128; not deterministic; more
-     than backward_sm90.SHORT_SEQLEN_K keys) flash_attn_bwd_sm90 does the same with wgmma
+     the input dtype. On compute capability 9.0 (head dims 64, 96, 128; not deterministic)
+     flash_attn_bwd_sm90 does the same with wgmma
      (backward_sm90, with or without mods; KERNELGEN_BACKWARD=sm80 keeps flash_attn_bwd).
 With deterministic=True, step 2 runs without atomics and flash_attn_bwd_dq computes dQ per query
 tile (recomputing P and dP), so that the gradients are bitwise identical from run to run.
@@ -93,7 +93,7 @@ def _main_config(device: int, problem: tune.Problem, spec: KernelSpec | None = N
 def main_spec_name(head_dim: int, device: int, deterministic: bool, seqlen_k: int,
                    mods: KernelSpec | None = None, params: dict | None = None) -> str:
     """The base of the main kernel a backward runs (what AttentionKernel.tune tunes too): on
-    compute capability 9.0, with atomics allowed and more than a short sequence of keys, the
+    compute capability 9.0, with atomics allowed (and more than SHORT_SEQLEN_K keys), the
     Hopper kernel (backward_sm90.applies), else flash_attn_bwd."""
     return (backward_sm90.SPEC if backward_sm90.applies(head_dim, device, deterministic,
                                                         seqlen_k, mods, params) else MAIN_SPEC)

@@ -7,8 +7,8 @@ kernel and the dQ cast around it. Only the non-deterministic path runs here (the
 with atomics). A spec's mods run here too (the spec put onto this one, `<spec>__flash_attn_bwd_sm90`,
 its mod arguments after the tensor maps), unless the spec's `onto: {flash_attn_bwd_sm90: ...}`
 section leaves the variant no config: its live values do not fit the consumers' 240 registers
-there. Short sequences (seqlen_k <= SHORT_SEQLEN_K) keep the mma.sync kernel (a measured rule,
-below); KERNELGEN_BACKWARD=sm80 forces it everywhere.
+there. KERNELGEN_BACKWARD=sm80 forces the mma.sync kernel everywhere (SHORT_SEQLEN_K, below, once
+kept it for short sequences).
 """
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from kernelgen import env, tma
 from kernelgen.spec import KernelSpec, SpecError
 
 SPEC = "flash_attn_bwd_sm90"
-# Measured (H200, hd128 bf16, batch 32 x 512, 16 heads; PERF_NOTES §15): at seqlen 512 this kernel
-# loses to the mma.sync one, causal 75 vs 134 TFLOP/s and full 202 vs 214, and its causal run
-# takes longer than its full one; the cause is not established (docs/internals.md says what is
-# suspected), so sequences of at most this many keys keep flash_attn_bwd. At 1k it wins (1.10x
-# SDPA flash causal, 1.30x full).
-SHORT_SEQLEN_K = 512
+# Sequences of at most this many keys keep flash_attn_bwd. At seqlen 512 (H200, hd128 bf16, batch
+# 32, 16 heads) this kernel once lost (causal 75 vs 134 TFLOP/s, full 202 vs 214, PERF_NOTES §15):
+# its causal grid ran every pair's KV tile 0, then every tile 1, ..., so no resident CTAs shared
+# a head's Q, dO or dQ in L2. With the grid in per-batch order (flash_bwd_sm90.cuh) it measured
+# full 277 vs 217 and causal 145 vs 148 (PERF_NOTES §16): no sequence is short enough any more.
+SHORT_SEQLEN_K = 0
 _EMPTY_MAP = bytes(tma.MAP_BYTES)  # for empty Q or K/V
 
 
