@@ -497,8 +497,8 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     } else {
         // Overlapped (FA3's IntraWGOverlap): S of block i and O += P V of block i - 1 are in flight
         // together; softmax of block i runs while the P V group still occupies the tensor cores.
-        // O is rescaled by block i - 1's alpha after S's group is issued, in its shadow, rather
-        // than between the last wait and the next issue, where nothing else runs (FA3's order).
+        // (FA3 rescales O in the S group's shadow, after its issue: measured no faster here, and
+        // a 4-byte spill in the document spec's hd256 causal variant; PERF_NOTES §16.)
         mbarrier_wait(bar.full_k(stage(0)), parity(0));
         turns.acquire();
         fence_operands(acc_s);
@@ -510,15 +510,6 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha);  // O is 0: alpha unused
         release_previous_q();
         pack_p<C>(p, acc_s);
-        // O *= alpha of the block before, pinned after the S group's issue (the compiler would
-        // hoist it above: issue_qk does not touch O), and fenced for the P V group that reads O.
-        // Block 0's alpha multiplies an O of zeros.
-        const auto rescale_after_issue = [&] {
-            fence_operands(acc_o);
-            rescale_o<C>(acc_o, alpha);
-            fence_operands(acc_o);
-            wgmma_fence();
-        };
         for (int i = 1; i < n_blocks; ++i) {
             mbarrier_wait(bar.full_k(stage(i)), parity(i));
             turns.acquire();
@@ -526,7 +517,6 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             fence_pv_operands();
             wgmma_fence();
             issue_qk<C>(acc_s, desc_q, stage_desc(desc_k, i));
-            rescale_after_issue();
             mbarrier_wait(bar.full_v(stage(i - 1)), parity(i - 1));
             issue_pv<C>(acc_o, p, stage_desc(desc_v, i - 1));
             turns.release(false);
@@ -536,12 +526,12 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             wgmma_wait<0>();
             fence_operands(acc_o);
             if (lane == 0) mbarrier_arrive(bar.empty_v(stage(i - 1)));
+            rescale_o<C>(acc_o, alpha);
             pack_p<C>(p, acc_s);
         }
         const int last = n_blocks - 1;
         mbarrier_wait(bar.full_v(stage(last)), parity(last));
         turns.acquire();
-        if (n_blocks > 1) rescale_o<C>(acc_o, alpha);
         fence_pv_operands();
         wgmma_fence();
         issue_pv<C>(acc_o, p, stage_desc(desc_v, last));
