@@ -14,6 +14,7 @@ from test_backward_emulated import emulate, emulated_kernels, grads, launch
 from test_sm90_emulated import check as check_sm90
 
 from kernelgen import backward, blockmask
+from kernelgen.bench_mods import document_ids, document_lengths
 from kernelgen.reference import attention_ref, max_error, rounding_allowance
 from kernelgen.spec import load_spec
 
@@ -23,21 +24,10 @@ SPEC = "flash_attn_document"
 NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-def documents(batch, seqlen, cuts, seed, first_id=0):
-    """(batch, seqlen) int32 ids: runs of equal ids cut at random points (mid-tile as a rule)."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.zeros(batch, seqlen, dtype=torch.int32)
-    for row in ids:
-        points = torch.sort(torch.randperm(seqlen - 1, generator=generator)[:cuts] + 1).values
-        for n, (a, b) in enumerate(zip([0, *points.tolist()], [*points.tolist(), seqlen])):
-            row[a:b] = first_id + n
-    return ids
-
-
 def packed(batch, seqlen_q, seqlen_k, cuts, seed):
     """(doc_q, doc_k) of one packed sequence: its last seqlen_q tokens are the queries and its
     last seqlen_k the keys (bottom-right, like the causal mask)."""
-    ids = documents(batch, max(seqlen_q, seqlen_k), cuts, seed)
+    ids = document_ids(document_lengths(batch, max(seqlen_q, seqlen_k), cuts + 1, seed))
     return ids[:, -seqlen_q:].contiguous(), ids[:, -seqlen_k:].contiguous()
 
 
@@ -71,7 +61,7 @@ def block_args(mask, config, transposed=False):
 def test_classify_kernel_matches_its_oracle(causal, shape, tile):
     batch, seqlen_q, seqlen_k = shape
     # One packed sequence, its last seqlen_q tokens the queries and last seqlen_k the keys.
-    ids = documents(batch, max(seqlen_q, seqlen_k), 4, seed=1)
+    ids = document_ids(document_lengths(batch, max(seqlen_q, seqlen_k), 5, seed=1))
     doc_q, doc_k = ids[:, -seqlen_q:].contiguous(), ids[:, -seqlen_k:].contiguous()
     doc_q[0, -7:] = 77  # rows that see no key
     spec = load_spec(SPEC, onto=str(blockmask.CLASSIFY_SPEC))

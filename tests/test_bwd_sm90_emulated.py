@@ -27,6 +27,7 @@ import emulate  # noqa: E402
 from gradients import assert_gradients  # noqa: E402
 
 from kernelgen import backward, backward_sm90, blockmask  # noqa: E402
+from kernelgen.bench_mods import document_ids, document_lengths  # noqa: E402
 from kernelgen.reference import attention_ref  # noqa: E402
 from kernelgen.spec import REPO_ROOT, load_spec  # noqa: E402
 
@@ -203,16 +204,6 @@ def test_alibi(per_batch, causal):
           score_mod=lambda s, b, h, i, j: s - s4 * (i + seqlen_k - seqlen_q - j).abs().float())
 
 
-def documents(batch, seqlen, cuts, seed):
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.zeros(batch, seqlen, dtype=torch.int32)
-    for row in ids:
-        points = torch.sort(torch.randperm(seqlen - 1, generator=generator)[:cuts] + 1).values
-        for n, (a, b) in enumerate(zip([0, *points.tolist()], [*points.tolist(), seqlen])):
-            row[a:b] = n
-    return ids
-
-
 @pytest.mark.parametrize("causal, head_dim", [(False, 128), (True, 64)])
 def test_document_block_mask(causal, head_dim):
     """The transposed lists of a BlockMask at the kernel's tile (64 x 128): per KV block the query
@@ -220,7 +211,7 @@ def test_document_block_mask(causal, head_dim):
     key has see nothing."""
     batch, seqlen_q, seqlen_k = 2, 200, 300
     q, k, v, dout = qkv_dout(batch, seqlen_q, seqlen_k, 2, 1, head_dim, torch.bfloat16)
-    ids = documents(batch, seqlen_k, 3, seed=5)
+    ids = document_ids(document_lengths(batch, seqlen_k, 4, seed=5))
     doc_q, doc_k = ids[:, -seqlen_q:].contiguous(), ids[:, -seqlen_k:].contiguous()
     doc_q[1, 120:140] = 99
     visible = (doc_q[:, :, None] == doc_k[:, None, :])[:, None]

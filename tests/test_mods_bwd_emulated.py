@@ -11,6 +11,7 @@ import pytest
 import torch
 from test_backward_emulated import check, emulate, make
 
+from kernelgen.bench_mods import document_ids, document_lengths
 from kernelgen.reference import attention_ref
 from kernelgen.spec import REPO_ROOT
 
@@ -84,16 +85,6 @@ def test_alibi(per_batch, causal):
                WHOLE, score_mod=lambda s, b, h, i, j: s - s4 * (i + seqlen_k - seqlen_q - j).abs().float())
 
 
-def documents(batch, seqlen, cuts_per_row, seed):
-    generator = torch.Generator().manual_seed(seed)
-    docs = torch.zeros(batch, seqlen, dtype=torch.int32)
-    for row in docs:
-        cuts = torch.sort(torch.randperm(seqlen - 1, generator=generator)[:cuts_per_row] + 1).values
-        for n, (a, b) in enumerate(zip([0, *cuts.tolist()], [*cuts.tolist(), seqlen])):
-            row[a:b] = n
-    return docs
-
-
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_document_mask(deterministic):
     # flash_attn_document is block-sparse: its kernels take a block mask's lists besides the ids
@@ -101,7 +92,7 @@ def test_document_mask(deterministic):
     from test_blockmask_emulated import check_backward
 
     q, k, v = qkv(2, 96, 96, 2, 1, 64, torch.bfloat16)
-    docs = documents(2, 96, 4, seed=3)
+    docs = document_ids(document_lengths(2, 96, 5, seed=3))
     check_backward(q, k, v, docs, docs, False, deterministic, WHOLE, DQ)
 
 

@@ -4,7 +4,8 @@ spec, variant, arch, bucket and GPU is replaced, others are added.
 
     python tools/merge_defaults.py EXPORTED.json [...]
     python tools/merge_defaults.py --rehash SPEC      after an edit of SPEC that leaves its configs'
-                                                      meaning alone (a comment): its entries, and
+                                                      meaning alone (a comment, the grid's launch
+                                                      order): its entries, and
                                                       those of mods specs put onto it, take the
                                                       spec's new content hash
 """
