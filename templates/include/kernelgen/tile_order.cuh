@@ -33,6 +33,9 @@ struct SectionItem {
 // The t-th of the `pairs` x `ranks` (rank, pair) items, sections of `section` pairs in turn, each
 // section's rank 0 of every pair first, then its rank 1, ... (the last section may be short).
 __device__ __forceinline__ SectionItem section_item(int t, int pairs, int ranks, int section) {
+    // A section of more than every pair is all of them; clamped, per_section stays within the
+    // item count (few keys and a long query sequence would overflow it otherwise).
+    section = min(section, pairs);
     const int per_section = section * ranks;
     const int first = t / per_section * section, u = t % per_section;
     const int in_section = min(section, pairs - first);
