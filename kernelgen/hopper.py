@@ -4,9 +4,11 @@
 holds what only this family needs, the tensor maps, and an explicit entry point that takes a
 config. The kernel takes the sm80 family's arguments plus four tensor maps (kernelgen/tma.py: Q,
 K, V, and O for the configs that store it by TMA) whose layouts a launch plan keeps; per call only
-the addresses change (tma.encode).
+the addresses change (tma.encode); then the dynamic schedule's tile counter (tile_counter).
 """
 from __future__ import annotations
+
+import torch
 
 from kernelgen import ops, tma
 
@@ -37,6 +39,21 @@ def encode_maps(layouts: tuple, q, k, v, o) -> tuple:
     the address changes, which tma.encode patches in)."""
     return tuple(m if isinstance(m, bytes) else tma.encode(m, t.data_ptr())
                  for m, t in zip(layouts, (q, k, v, o)))
+
+
+def tile_counter(kernel, device):
+    """The dynamic schedule's claim counter for one launch of `kernel` (persistent 2): a fresh
+    zero int32 on `device`, made on the current stream like the launch that follows, so that
+    launches on other streams and replays of captured graphs never share one (a kernel that reset
+    a shared counter itself would race with a concurrent one). None for the other configs."""
+    if kernel.config["persistent"] != 2:
+        return None
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def pointer(tensor) -> int:
+    """A tensor argument's address; 0 (null) for None."""
+    return 0 if tensor is None else tensor.data_ptr()
 
 
 def flash_attn_forward_sm90(q, k, v, causal: bool = False, softmax_scale: float | None = None, *,

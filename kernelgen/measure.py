@@ -29,8 +29,10 @@ _POINTERS = ("q", "k", "v", "o", "lse")
 _SCALARS = ("q_stride_b", "q_stride_s", "q_stride_h", "k_stride_b", "k_stride_s", "k_stride_h",
             "v_stride_b", "v_stride_s", "v_stride_h", "o_stride_b", "o_stride_s", "o_stride_h",
             "batch", "heads", "heads_k", "seqlen_q", "seqlen_k", "softmax_scale")
-# The Hopper family reads Q, K, V through tensor maps, and writes O through one (TMA stores).
+# The Hopper family reads Q, K, V through tensor maps, and writes O through one (TMA stores);
+# then comes its dynamic schedule's tile counter.
 _MAPS = ("tmap_q", "tmap_k", "tmap_v", "tmap_o")
+_HOPPER = (*_MAPS, "tile_counter")
 _PARAMS = ("head_dim", "dtype", "causal")
 CHECK_ROWS = 128
 _LSE_TOLERANCE = 2e-3
@@ -105,11 +107,11 @@ class Workload:
 
     def _check_spec(self, spec, names: tuple[str, ...]) -> None:
         known = sorted(_POINTERS + _SCALARS)
-        if (sorted(names) not in (known, sorted(known + list(_MAPS)))
+        if (sorted(names) not in (known, sorted(known + list(_HOPPER)))
                 or {p.name for p in spec.params} != set(_PARAMS)):
             raise TuneError(f"kernelgen tune makes inputs for attention specs with the args and "
                             f"params of flash_attn_fwd ({', '.join(_PARAMS)}; tensor maps "
-                            f"{', '.join(_MAPS)} optional); {spec.name} has "
+                            f"{', '.join(_HOPPER)} optional); {spec.name} has "
                             f"args {list(names)} and params {[p.name for p in spec.params]}")
 
     def _reference_slices(self) -> list[_Slice]:
@@ -137,12 +139,25 @@ class Workload:
     def launcher(self, kernel: api.BoundKernel):
         """fn() that launches `kernel` on these inputs, with everything but the call worked out."""
         values = {**self.values, **self._maps(kernel)}
+        counter = None
+        if "tile_counter" in self.names:
+            from kernelgen import hopper
+
+            counter = hopper.tile_counter(kernel, self.q.device)
+            values["tile_counter"] = hopper.pointer(counter)
         values = tuple(values[name] for name in self.names)
         # Every value a grid may read: the sizes, and a mods spec's scalars (measure_mods.py).
         grid = kernel.grid({**self.values,
                             "sm_count": api.sm_count(self.device) if self.q.is_cuda else 4})
         stream, device = api._current_stream(self.device), self.device
-        return lambda: kernel.launch(values, grid, device, stream)
+        if counter is None:
+            return lambda: kernel.launch(values, grid, device, stream)
+
+        def launch_dynamic():
+            counter.zero_()   # what the library's call does: a zero counter per launch
+            kernel.launch(values, grid, device, stream)
+
+        return launch_dynamic
 
     def _maps(self, kernel: api.BoundKernel) -> dict:
         """The tensor maps of a Hopper-family config: their boxes follow its tile shape."""

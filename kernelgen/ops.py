@@ -196,10 +196,12 @@ def _launch(plan: _Plan, q, k, v):
     if out.numel() == 0:
         return out, lse
     args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), *plan.scalars)
+    counter = None
     if plan.maps:
         from kernelgen import hopper
 
-        args += hopper.encode_maps(plan.maps, q, k, v, out)
+        counter = hopper.tile_counter(plan.kernel, q.device)
+        args += (*hopper.encode_maps(plan.maps, q, k, v, out), hopper.pointer(counter))
     plan.kernel.launch(args, plan.grid, plan.device, api._current_stream(plan.device))
     return out, lse
 

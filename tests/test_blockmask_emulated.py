@@ -136,7 +136,9 @@ def test_sm80_forward_with_block_mask(causal, shape, config):
 @pytest.mark.parametrize("causal, cfg", [
     (False, {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2, "persistent": 1}),
     (True, {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 1, "persistent": 0}),
-], ids=["full-pingpong-persistent", "causal-overlap"])
+    (True, {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2, "persistent": 2,
+            "q_buffers": 2}),
+], ids=["full-pingpong-persistent", "causal-overlap", "causal-pingpong-dynamic"])
 def test_sm90_forward_with_block_mask(causal, cfg):
     batch, seqlen_q, seqlen_k, heads = 2, 230, 310, 2
     q, k, v = qkv(batch, seqlen_q, seqlen_k, heads, heads, 64, seed=5)

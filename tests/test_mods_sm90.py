@@ -132,7 +132,8 @@ def test_forward_sm90_launches_the_hopper_kernel_with_the_mod_args_last(no_gpu):
     named = dict(zip(names, values))
     assert named["doc_q"] == doc_q.data_ptr() and named["doc_k"] == doc_k.data_ptr()
     assert names[-9:-7] == ["doc_q", "doc_k"]
-    assert names[-13:-9] == ["tmap_q", "tmap_k", "tmap_v", "tmap_o"]
+    assert names[-14:-9] == ["tmap_q", "tmap_k", "tmap_v", "tmap_o", "tile_counter"]
+    assert named["tile_counter"] == 0   # persistent 1: no counter
     lists = mask.lists(128, 64)
     assert named["bm_num"] == lists.kv_num.data_ptr()
     assert named["bm_full_idx"] == lists.full_kv_idx.data_ptr()

@@ -66,8 +66,9 @@ def window_mask(left, right, seqlen_q, seqlen_k):
     ((0, 0), False, (1, 300, 130, 2, 2), config(persistent=1), True),
     ((5, 3), True, (1, 260, 100, 1, 1), config(schedule=1, persistent=0), True),
     ((-1, 16), False, (1, 140, 270, 2, 1), config(128, 64, schedule=0, persistent=1), False),
+    ((0, 0), False, (1, 300, 130, 2, 2), config(persistent=2), True),
 ], ids=["40-30-persistent", "70-0-causal", "0-0-empty-persistent", "5-3-causal-empty",
-        "left-unbounded-schedule0"])
+        "left-unbounded-schedule0", "0-0-empty-dynamic"])
 def test_sliding_window(window, causal, shape, cfg, empty_rows):
     batch, seqlen_q, seqlen_k, heads, heads_k = shape
     left, right = window

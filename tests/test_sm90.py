@@ -21,12 +21,14 @@ SPEC = load_spec("flash_attn_fwd_sm90")
 # ---- the spec -------------------------------------------------------------------------------
 
 def test_arguments_extend_the_sm80_family():
-    """The same runtime arguments in the same order (one launcher drives both), then the maps."""
+    """The same runtime arguments in the same order (one launcher drives both), then the maps and
+    the dynamic schedule's counter."""
     sm80 = load_spec("flash_attn_fwd")
     shared = len(sm80.args)
     assert [(a.name, a.type) for a in SPEC.args[:shared]] == [(a.name, a.type) for a in sm80.args]
     assert [(a.name, a.type) for a in SPEC.args[shared:]] == [
-        ("tmap_q", "tmap"), ("tmap_k", "tmap"), ("tmap_v", "tmap"), ("tmap_o", "tmap")]
+        ("tmap_q", "tmap"), ("tmap_k", "tmap"), ("tmap_v", "tmap"), ("tmap_o", "tmap"),
+        ("tile_counter", "ptr")]
     assert SPEC.archs == ("sm_90a",)
     assert {p.name: p.values for p in SPEC.params} == {p.name: p.values for p in sm80.params}
 

@@ -67,9 +67,11 @@ def forward(q, k, v, causal, config=None, seed=0, lazy=False, spec=SPEC, mod_arg
     strides = {f"{name}_stride_{dim}": t.stride(i)
                for name, t in (("q", q), ("k", k), ("v", v), ("o", out))
                for i, dim in enumerate("bsh")}
+    # The dynamic schedule's counter (persistent 2), zero like the library's per launch.
+    counter = torch.zeros(1, dtype=torch.int32) if config["persistent"] == 2 else None
     args = dict(q=q, k=k, v=v, o=out, lse=lse, batch=batch, heads=heads, heads_k=k.shape[2],
                 seqlen_q=seqlen_q, seqlen_k=k.shape[1], softmax_scale=1 / math.sqrt(head_dim),
-                **strides, **maps, **(mod_args or {}))
+                tile_counter=counter, **strides, **maps, **(mod_args or {}))
     define = "" if l2_bytes is None else f"#define KG_L2_SECTION_BYTES {l2_bytes}\n"
     emulate.run(spec, variant, config, args, seed=seed, defer=lazy,
                 transform=lambda text: define + emulated_wgmma(text))
@@ -140,6 +142,20 @@ CASES = [
      {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 2}, True),
     (96, torch.bfloat16, True, (1, 600, 130, 2, 2),
      {"block_m": 128, "block_n": 64, "stages": 3, "schedule": 1, "persistent": 1, "q_buffers": 2}, False),
+    # Dynamic (persistent 2): after its first tile a CTA claims the next from the counter. The
+    # emulator runs one CTA at a time, so the first CTA claims every tile past the grid's first
+    # three, the others none: publications of tiles, of empty tiles (which still take their
+    # pingpong turn) and of the end, through both queue slots many times over.
+    (128, torch.bfloat16, True, (2, 300, 430, 2, 1),
+     {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 2}, True),
+    (128, torch.float16, False, (2, 290, 200, 2, 2),
+     {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2}, False),
+    (64, torch.bfloat16, False, (1, 600, 130, 2, 2),
+     {"block_m": 128, "block_n": 64, "stages": 3, "schedule": 0, "persistent": 2}, True),
+    (128, torch.bfloat16, True, (1, 600, 130, 2, 1),   # empty tiles first, then the last two
+     {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 2}, False),
+    (96, torch.bfloat16, True, (1, 600, 130, 2, 2),    # three consumers
+     {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 2}, True),
 ]
 
 
@@ -154,8 +170,8 @@ def test_forward(head_dim, dtype, causal, shape, config, lazy):
     check(q, k, v, causal, config=config, seed=seqlen_k, lazy=lazy)
 
 
-@pytest.mark.parametrize("q_buffers", [1, 2])
-def test_persistent_causal_sections(q_buffers):
+@pytest.mark.parametrize("q_buffers, persistent", [(1, 1), (2, 1), (2, 2)])
+def test_persistent_causal_sections(q_buffers, persistent):
     """The persistent causal schedule in sections of pairs (TileSchedule), each longest first,
     across 3 emulated CTAs: a budget of one K/V head's bytes with GQA 2 makes 6 sections of 2
     pairs; of two K/V heads' bytes without GQA, 5 pairs in sections of 2, 2 and a short one of 1."""
@@ -164,7 +180,7 @@ def test_persistent_causal_sections(q_buffers):
         q = make(batch, 300, heads, 64)
         k, v = (make(batch, 270, heads_k, 64) for _ in range(2))
         check(q, k, v, True, config={"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2,
-                                     "persistent": 1, "q_buffers": q_buffers},
+                                     "persistent": persistent, "q_buffers": q_buffers},
               seed=heads, lazy=q_buffers == 2, l2_bytes=budget_heads * 4 * 270 * 64)
 
 

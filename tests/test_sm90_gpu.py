@@ -81,6 +81,13 @@ CONFIGS = [
     (64, {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 2}),
     (96, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 1, "q_buffers": 2}),
     (192, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 1, "persistent": 1, "q_buffers": 2}),
+    # Dynamic (persistent 2): tiles claimed from the counter by 132 CTAs at once, each schedule,
+    # 2 and 3 consumers, one and two Q buffers.
+    (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 2}),
+    (128, {"block_m": 128, "block_n": 176, "stages": 2, "schedule": 1, "persistent": 2}),
+    (64, {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 2}),
+    (96, {"block_m": 128, "block_n": 128, "stages": 3, "schedule": 0, "persistent": 2}),
+    (256, {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 1, "persistent": 2}),
 ]
 
 
@@ -215,7 +222,7 @@ def test_tma_store_leaves_rows_past_seqlen_alone(causal):
     maps = hopper.encode_maps(plan.maps[:3] + (o_map,), q, k, v, out)
     args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-            batch, heads, heads_k, seqlen_q, seqlen_k, scale, *maps)
+            batch, heads, heads_k, seqlen_q, seqlen_k, scale, *maps, 0)   # 0: no tile counter
     plan.kernel.launch(args, plan.grid, plan.device, api._current_stream(plan.device))
     torch.cuda.synchronize()
     assert big[:, seqlen_q:].isnan().all() and big[batch:].isnan().all(), "a guard row was written"

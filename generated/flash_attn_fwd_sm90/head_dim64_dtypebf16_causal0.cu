@@ -5,7 +5,8 @@
 //   LSE[b, h, i]  = logsumexp_j(scale * Q[b, i, h, :] . K[b, j, ...])      (natural log, fp32)
 //   causal: query i sees keys j <= i + seqlen_k - seqlen_q (bottom-right aligned).
 // Q, K, V are read through the tensor maps (the pointers and their strides are for the host);
-// O is written through tmap_o with q_buffers 2 (TMA stores), through `o` otherwise.
+// O is written through tmap_o with q_buffers 2 (TMA stores), through `o` otherwise. tile_counter:
+// the dynamic schedule's (persistent 2) claim counter, zero at launch; unread by other configs.
 // A spec's mods (score_mod, mask_mod, kv_range; their arguments follow the tensor maps) are
 // applied as in the sm80 family; without mods the Mods struct below switches everything off.
 // Variant: head_dim=64 dtype=bf16 causal=false arch=sm_90a
@@ -68,7 +69,7 @@ struct PvGemm {
 using Config = kg::Sm90Config<elem_t, /*HEAD_DIM=*/64, /*BLOCK_M=*/128,
                               /*BLOCK_N=*/128, /*STAGES=*/2,
                               /*CAUSAL=*/false, /*SCHEDULE=*/2,
-                              /*PERSISTENT=*/false,
+                              /*PERSISTENT=*/0,
                               /*Q_BUFFERS=*/1, QkGemm, PvGemm>;
 static_assert(Config::kSmemBytes == 83024, "spec's smem formula disagrees with the kernel");
 static_assert(Config::kThreads == 384, "spec's thread count disagrees with the kernel");
@@ -116,7 +117,7 @@ struct Mods {
 
 // minBlocksPerSM = 1 gives ptxas the entry register count, without which setmaxnreg is dropped.
 extern "C" __global__ void __launch_bounds__(Config::kThreads, 1)
-flash_attn_fwd_sm90(const elem_t* q, const elem_t* k, const elem_t* v, elem_t* o, float* lse, long long q_stride_b, long long q_stride_s, long long q_stride_h, long long k_stride_b, long long k_stride_s, long long k_stride_h, long long v_stride_b, long long v_stride_s, long long v_stride_h, long long o_stride_b, long long o_stride_s, long long o_stride_h, int batch, int heads, int heads_k, int seqlen_q, int seqlen_k, float softmax_scale, const __grid_constant__ kg::TensorMap tmap_q, const __grid_constant__ kg::TensorMap tmap_k, const __grid_constant__ kg::TensorMap tmap_v, const __grid_constant__ kg::TensorMap tmap_o) {
+flash_attn_fwd_sm90(const elem_t* q, const elem_t* k, const elem_t* v, elem_t* o, float* lse, long long q_stride_b, long long q_stride_s, long long q_stride_h, long long k_stride_b, long long k_stride_s, long long k_stride_h, long long v_stride_b, long long v_stride_s, long long v_stride_h, long long o_stride_b, long long o_stride_s, long long o_stride_h, int batch, int heads, int heads_k, int seqlen_q, int seqlen_k, float softmax_scale, const __grid_constant__ kg::TensorMap tmap_q, const __grid_constant__ kg::TensorMap tmap_k, const __grid_constant__ kg::TensorMap tmap_v, const __grid_constant__ kg::TensorMap tmap_o, int* tile_counter) {
     const kg::FwdArgs<elem_t> args{q, k, v, o, lse,
                                    q_stride_b, q_stride_s, q_stride_h,
                                    k_stride_b, k_stride_s, k_stride_h,
@@ -124,5 +125,5 @@ flash_attn_fwd_sm90(const elem_t* q, const elem_t* k, const elem_t* v, elem_t* o
                                    o_stride_b, o_stride_s, o_stride_h,
                                    batch, heads, heads_k, seqlen_q, seqlen_k, softmax_scale};
     const Mods mods{};
-    kg::flash_fwd_sm90<Config>(args, tmap_q, tmap_k, tmap_v, tmap_o, mods);
+    kg::flash_fwd_sm90<Config>(args, tmap_q, tmap_k, tmap_v, tmap_o, tile_counter, mods);
 }

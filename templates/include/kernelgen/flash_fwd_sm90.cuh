@@ -29,6 +29,11 @@
 // epilogue stages O in its own Q buffer and one thread per consumer warpgroup stores it with TMA
 // (the O map), and that thread hands the buffer back (empty_q) only once the store has read it,
 // which it waits for after tile t+1's first block: the store overlaps tile t+1's first GEMMs.
+// PERSISTENT 2 (dynamic): the same loop, but after its first tile (blockIdx.x) a CTA claims the
+// next one from a global counter when its producer gets to it (TileQueue), so CTAs that drew
+// short tiles take more of them: the hardware's balance of a grid per tile, with the persistent
+// overlap of one tile's epilogue and the next one's loads. Tiles are claimed in the static order
+// (longest first for causal), so the tail is short tiles.
 //
 // Mods (a spec's `mods`, the struct mods.inc.j2 renders; NoMods without): exactly the sm80
 // family's. kv_range bounds the KV blocks of a tile ([kv_lo, kv_hi) of its rows, in tile_work,
@@ -52,7 +57,7 @@ namespace kg {
 // SCHEDULE 0: plain (QK^T, softmax, PV in turn); 1: intra-warpgroup overlap; 2: overlap plus
 // pingpong between the consumer warpgroups (see sm90_consume).
 template <class Elem_, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool CAUSAL,
-          int SCHEDULE, bool PERSISTENT, int Q_BUFFERS, class QkGemm_, class PvGemm_>
+          int SCHEDULE, int PERSISTENT, int Q_BUFFERS, class QkGemm_, class PvGemm_>
 struct Sm90Config {
     using Elem = Elem_;
     using QkGemm = QkGemm_;
@@ -62,7 +67,8 @@ struct Sm90Config {
     static constexpr bool kCausal = CAUSAL;
     static constexpr int kSchedule = SCHEDULE;
     static constexpr bool kPingpong = SCHEDULE == 2;
-    static constexpr bool kPersistent = PERSISTENT;  // loop over tiles (TileSchedule)
+    static constexpr bool kPersistent = PERSISTENT > 0;  // loop over tiles (TileSchedule)
+    static constexpr bool kDynamic = PERSISTENT == 2;    // ... claimed from a counter (TileQueue)
     static constexpr int kQBuffers = Q_BUFFERS;        // Q tiles used in turn by successive tiles
     static constexpr bool kTmaStore = Q_BUFFERS == 2;  // O stored from its Q buffer by TMA
     static constexpr int kConsumers = BLOCK_M / 64;          // one warpgroup per 64 query rows
@@ -77,9 +83,11 @@ struct Sm90Config {
     static constexpr u32 kTileQ = BLOCK_M * HEAD_DIM * 2, kTileKV = BLOCK_N * HEAD_DIM * 2;
     static constexpr u32 kOffK = Q_BUFFERS * kTileQ, kOffV = kOffK + STAGES * kTileKV;
     static constexpr u32 kOffBarriers = kOffV + STAGES * kTileKV;
-    // full_q[], empty_q[] (one per Q buffer), full_k[], empty_k[], full_v[], empty_v[]
-    static constexpr int kBarriers = 2 * Q_BUFFERS + 4 * STAGES;
-    static constexpr u32 kSmemBytes = 1024 + kOffBarriers + 8 * kBarriers;  // + 1024: realignment
+    // full_q[], empty_q[] (one per Q buffer), full_k[], empty_k[], full_v[], empty_v[], and
+    // (dynamic) full_t[2], empty_t[2] of the tile queue, whose two slots follow the barriers.
+    static constexpr int kBarriers = 2 * Q_BUFFERS + 4 * STAGES + (kDynamic ? 4 : 0);
+    static constexpr u32 kOffQueue = kOffBarriers + 8 * kBarriers;
+    static constexpr u32 kSmemBytes = 1024 + kOffQueue + (kDynamic ? 8 : 0);  // + 1024: realignment
 
     static_assert(BLOCK_M == 128 || BLOCK_M == 192, "two or three consumer warpgroups");
     static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "P splits into k16 steps; wgmma N <= 256");
@@ -88,6 +96,7 @@ struct Sm90Config {
     static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "register file");
     static_assert(STAGES >= 2, "a ring of one stage cannot overlap loads with math");
     static_assert(SCHEDULE >= 0 && SCHEDULE <= 2, "plain, overlapped, overlapped + pingpong");
+    static_assert(PERSISTENT >= 0 && PERSISTENT <= 2, "a CTA per tile, static or dynamic loop");
     static_assert(Q_BUFFERS == 1 || (Q_BUFFERS == 2 && PERSISTENT),
                   "a second Q buffer serves the next tile of a persistent CTA");
 };
@@ -102,6 +111,8 @@ struct Sm90Barriers {
     __device__ __forceinline__ u32 empty_k(int s) const { return base + 8 * (kQ + C::kStages + s); }
     __device__ __forceinline__ u32 full_v(int s) const { return base + 8 * (kQ + 2 * C::kStages + s); }
     __device__ __forceinline__ u32 empty_v(int s) const { return base + 8 * (kQ + 3 * C::kStages + s); }
+    __device__ __forceinline__ u32 full_t(int j) const { return base + 8 * (kQ + 4 * C::kStages + j); }
+    __device__ __forceinline__ u32 empty_t(int j) const { return base + 8 * (kQ + 4 * C::kStages + 2 + j); }
 };
 
 // The Q buffer of a CTA's `tile`-th tile with work, and the parity of its barriers' phase.
@@ -193,6 +204,34 @@ struct TileSchedule {
         for (int u = t + step(); u < count; u += step())
             if (at(a, u).n_blocks > 0) return true;
         return false;
+    }
+};
+
+// The dynamic schedule's hand-off (PERSISTENT 2): the producer thread claims a CTA's tiles after
+// the first from a global counter (zero at launch) and publishes each one's index t (count: no
+// more) in a two-slot ring in shared memory, in order; every consumer thread takes each
+// publication once. full_t[slot]: the producer's one arrival after writing the slot; empty_t[slot]:
+// one arrival per consumer warp once its lanes have read it. Publication j uses slot j % 2 with
+// parity (j / 2) & 1, so the producer can publish a tile's successor while the tile is computed.
+template <class C>
+struct TileQueue {
+    Sm90Barriers<C> bar;
+    int* slots;  // the two slots, in shared memory
+    int* counter;
+
+    // The next tile nobody has claimed (every CTA's first tile is its blockIdx.x).
+    __device__ __forceinline__ int claim() const { return gridDim.x + atomicAdd(counter, 1); }
+    __device__ __forceinline__ void publish(int j, int t) const {
+        mbarrier_wait(bar.empty_t(j % 2), u32((j / 2) & 1) ^ 1);
+        slots[j % 2] = t;
+        mbarrier_arrive(bar.full_t(j % 2));  // release: the consumers' wait acquires the slot
+    }
+    __device__ __forceinline__ int take(int j) const {
+        mbarrier_wait(bar.full_t(j % 2), u32(j / 2) & 1);
+        const int t = slots[j % 2];
+        __syncwarp();  // every lane has read it
+        if (threadIdx.x % 32 == 0) mbarrier_arrive(bar.empty_t(j % 2));
+        return t;
     }
 };
 
@@ -406,13 +445,15 @@ struct IssueTurns {
 
 // One consumer warpgroup: query rows 64 * wg .. 64 * wg + 63 of the tile.
 // `it0`: the ring position of the tile's first KV block; `tile`: how many tiles this CTA has
-// done (its Q buffer and the parity of full_q); `final`: no later tile of this CTA has work
-// (pingpong's last turn).
-template <class C, class Mods>
+// done (its Q buffer and the parity of full_q); `is_final()`: whether no later tile of this CTA
+// takes a turn (pingpong's last hand-off), called exactly once, after the last GEMM's issue (the
+// dynamic schedule learns its next tile there).
+template <class C, class Mods, class IsFinal>
 __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a, const Mods& mods,
                                              unsigned char* tiles, u32 smem_u32, Sm90Barriers<C> bar,
                                              const TensorMap& map_o, IssueTurns<C> turns,
-                                             const TileWork& w, int it0, int tile, bool final) {
+                                             const TileWork& w, int it0, int tile,
+                                             const IsFinal& is_final) {
     const int wg = turns.wg, row0 = w.row0, q_rows = w.q_rows, n_blocks = w.n_blocks;
     typename C::Elem* o = a.o + w.batch * a.o_stride_b + w.head * a.o_stride_h + row0 * a.o_stride_s;
     float* lse = a.lse + (i64(w.batch) * a.heads + w.head) * a.seqlen_q + row0;
@@ -494,6 +535,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             fence_operands(acc_o);
             if (lane == 0) mbarrier_arrive(bar.empty_v(stage(i)));
         }
+        (void)is_final();  // no turns to hand on
     } else {
         // Overlapped (FA3's IntraWGOverlap): S of block i and O += P V of block i - 1 are in flight
         // together; softmax of block i runs while the P V group still occupies the tensor cores.
@@ -535,7 +577,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         fence_pv_operands();
         wgmma_fence();
         issue_pv<C>(acc_o, p, stage_desc(desc_v, last));
-        turns.release(final);
+        turns.release(is_final());
         wgmma_wait<0>();
         fence_operands(acc_o);
         if (lane == 0) mbarrier_arrive(bar.empty_v(stage(last)));
@@ -606,7 +648,7 @@ template <class C, class Mods = NoMods>
 __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& a,
                                                const TensorMap& map_q, const TensorMap& map_k,
                                                const TensorMap& map_v, const TensorMap& map_o,
-                                               const Mods& mods = Mods{}) {
+                                               int* tile_counter, const Mods& mods = Mods{}) {
     extern __shared__ __align__(1024) unsigned char smem[];
 
     const TileSchedule<C, Mods> tiles_of_cta(a, mods);
@@ -635,12 +677,18 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
             mbarrier_init(bar.empty_k(s), 4 * C::kConsumers);
             mbarrier_init(bar.empty_v(s), 4 * C::kConsumers);
         }
+        if constexpr (C::kDynamic)
+            for (int j = 0; j < 2; ++j) {
+                mbarrier_init(bar.full_t(j), 1);
+                mbarrier_init(bar.empty_t(j), 4 * C::kConsumers);
+            }
         mbarrier_fence_init();
     }
     __syncthreads();  // the last CTA-wide barrier: the producer's idle threads exit below
 
     // `it`: KV blocks through the ring so far; `done`: tiles with work so far (Q's buffer, phase).
     int it = 0, done = 0;
+    const TileQueue<C> queue{bar, reinterpret_cast<int*>(tiles + C::kOffQueue), tile_counter};
     if (threadIdx.x < 128) {
         setmaxnreg_dec<C::kProducerRegs>();
         if (threadIdx.x == 0) {
@@ -648,18 +696,64 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
             tma_prefetch(map_k);
             tma_prefetch(map_v);
             if constexpr (C::kTmaStore) tma_prefetch(map_o);
-            for (int t = tiles_of_cta.first(); t < tiles_of_cta.count; t += tiles_of_cta.step()) {
+            const auto produce = [&](int t) {
                 const TileWork w = tiles_of_cta.at(a, t);
-                if (w.n_blocks == 0) continue;
+                if (w.n_blocks == 0) return;
                 sm90_produce<C>(base, bar, map_q, map_k, map_v, w, w.head / group, it, done);
                 it += w.n_blocks;
                 ++done;
+            };
+            if constexpr (C::kDynamic) {
+                // The successor is claimed before this tile's loads and published after them:
+                // the atomic's round trip hides behind the loads, and the consumers, who learn
+                // it at the tile's last GEMM (is_final), find it published.
+                int j = 0;
+                queue.publish(j++, blockIdx.x);
+                for (int t = blockIdx.x;;) {
+                    const int next = queue.claim();
+                    produce(t);
+                    queue.publish(j++, min(next, tiles_of_cta.count));
+                    if (next >= tiles_of_cta.count) break;
+                    t = next;
+                }
+            } else {
+                for (int t = tiles_of_cta.first(); t < tiles_of_cta.count; t += tiles_of_cta.step())
+                    produce(t);
             }
         }
         return;
     }
     setmaxnreg_inc<C::kConsumerRegs>();
     const IssueTurns<C> turns{int(threadIdx.x / 128) - 1};
+    if constexpr (C::kDynamic) {
+        // Every tile, with work or not, takes one turn per warpgroup (an empty one hands it on
+        // at once), so the turns stay in step without knowing the tiles ahead; each CTA has a
+        // first tile (the grid is at most the tile count), so the first turn is always taken.
+        turns.start();
+        int j = 0;
+        for (int t = queue.take(j++); t < tiles_of_cta.count;) {
+            const TileWork w = tiles_of_cta.at(a, t);
+            int next = tiles_of_cta.count;
+            const auto is_final = [&] {
+                next = queue.take(j++);
+                return next >= tiles_of_cta.count;
+            };
+            if (w.n_blocks == 0) {
+                write_empty_tile<C>(a, w, threadIdx.x - 128, C::kThreads - 128);
+                const bool final = is_final();
+                turns.acquire();
+                turns.release(final);
+            } else {
+                sm90_consume<C>(a, mods, tiles, base, bar, map_o, turns, w, it, done, is_final);
+                it += w.n_blocks;
+                ++done;
+            }
+            t = next;
+        }
+        if constexpr (C::kTmaStore)
+            if (threadIdx.x % 128 == 0) bulk_wait_group_read<0>();
+        return;
+    }
     // Pingpong's first turn, only in a CTA with a tile to compute: persistent, every tile of a
     // CTA may be empty (causal or a kv range), and an arrival no one waits for would stay on the
     // barrier past the CTA's exit.
@@ -673,7 +767,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
             continue;
         }
         sm90_consume<C>(a, mods, tiles, base, bar, map_o, turns, w, it, done,
-                        !tiles_of_cta.more_work(a, t));
+                        [&] { return !tiles_of_cta.more_work(a, t); });
         it += w.n_blocks;
         ++done;
     }
