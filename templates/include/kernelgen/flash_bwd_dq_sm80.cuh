@@ -67,18 +67,11 @@ __device__ __forceinline__ void flash_bwd_dq_sm80(const BwdDqArgs<typename C::El
     Elem* dq = a.dq + batch * a.dq_stride_b + head * a.dq_stride_h + row0 * a.dq_stride_s;
 
     const int q_rows = min(a.seqlen_q - row0, C::kBlockM);
-    int kv_end = a.seqlen_k;
-    if constexpr (C::kCausal) kv_end = min(kv_end, row0 + q_rows + shift);
-    // KV tiles [n_first, n_first + n_blocks), as in the forward; n_first is a compile-time 0
-    // without a kv range.
-    int n_first = 0, n_blocks = kv_end > 0 ? cdiv(kv_end, C::kBlockN) : 0;
-    if constexpr (Mods::kKvRange && !Mods::kBlockSparse) {
-        const int q_last = row0 + q_rows - 1;
-        const int lo = max(0, mods.kv_lo(row0, q_last, batch, head, a.seqlen_q, a.seqlen_k));
-        kv_end = min(kv_end, mods.kv_hi(row0, q_last, batch, head, a.seqlen_q, a.seqlen_k));
-        n_first = lo / C::kBlockN;
-        n_blocks = kv_end > lo ? cdiv(kv_end, C::kBlockN) - n_first : 0;
-    }
+    // KV tiles [n_first, n_first + n_blocks), as in the forward (kv_blocks).
+    const KvBlocks blocks = kv_blocks<C::kBlockN, C::kCausal>(mods, row0, q_rows, batch, head,
+                                                              a.seqlen_q, a.seqlen_k);
+    const int n_first = blocks.n_first;
+    int n_blocks = blocks.n_blocks;
     // A block mask lists the tiles instead, as in the forward: iteration nb visits kv_tile(nb).
     SparseRow sparse{nullptr, nullptr, 0, 0};
     if constexpr (Mods::kBlockSparse) {

@@ -119,6 +119,32 @@ struct NoMods {
     __device__ int full_hi(int, int, int, int, int, int) const { return 1 << 30; }
 };
 
+// The KV blocks of BLOCK_N keys that the query rows [row0, row0 + q_rows) of (batch, head) see:
+// [n_first, n_first + n_blocks). The one place every kernel that walks a query tile's keys (this
+// forward, the Hopper one, the backward's dQ kernel) decides them. Causal is aligned bottom-right
+// (query i sees keys <= i + seqlen_k - seqlen_q); a kv range narrows that to [kv_lo, kv_hi) of the
+// rows, and n_first is a compile-time 0 without one. (With a block mask its lists give the blocks
+// instead: the callers take them from sparse_row.)
+struct KvBlocks {
+    int n_first, n_blocks;
+};
+
+template <int BLOCK_N, bool CAUSAL, class Mods>
+__device__ __forceinline__ KvBlocks kv_blocks(const Mods& mods, int row0, int q_rows, int batch,
+                                              int head, int seqlen_q, int seqlen_k) {
+    int kv_end = seqlen_k;
+    if constexpr (CAUSAL) kv_end = min(kv_end, row0 + q_rows + seqlen_k - seqlen_q);
+    int n_first = 0, n_blocks = kv_end > 0 ? cdiv(kv_end, BLOCK_N) : 0;
+    if constexpr (Mods::kKvRange && !Mods::kBlockSparse) {
+        const int q_last = row0 + q_rows - 1;
+        const int lo = max(0, mods.kv_lo(row0, q_last, batch, head, seqlen_q, seqlen_k));
+        kv_end = min(kv_end, mods.kv_hi(row0, q_last, batch, head, seqlen_q, seqlen_k));
+        n_first = lo / BLOCK_N;
+        n_blocks = kv_end > lo ? cdiv(kv_end, BLOCK_N) - n_first : 0;
+    }
+    return KvBlocks{n_first, n_blocks};
+}
+
 template <class C, class Mods = NoMods>
 __device__ __forceinline__ void flash_fwd_sm80(const FwdArgs<typename C::Elem>& a,
                                                const Mods& mods = Mods{}) {
@@ -142,19 +168,12 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdArgs<typename C::Elem>& 
     Elem* o = a.o + batch * a.o_stride_b + head * a.o_stride_h + row0 * a.o_stride_s;
     float* lse = a.lse + (i64(batch) * a.heads + head) * a.seqlen_q;
 
-    // Keys this CTA can see. Causal is aligned bottom-right: query i sees keys <= i + sk - sq.
+    // The KV tiles this CTA's rows see: [n_first, n_first + n_blocks).
     const int q_rows = min(a.seqlen_q - row0, C::kBlockM);
-    int kv_end = a.seqlen_k;
-    if constexpr (C::kCausal) kv_end = min(kv_end, row0 + q_rows + a.seqlen_k - a.seqlen_q);
-    // KV tiles [n_first, n_first + n_blocks); n_first is a compile-time 0 without a kv range.
-    int n_first = 0, n_blocks = kv_end > 0 ? cdiv(kv_end, C::kBlockN) : 0;
-    if constexpr (Mods::kKvRange && !Mods::kBlockSparse) {
-        const int q_last = row0 + q_rows - 1;
-        const int lo = max(0, mods.kv_lo(row0, q_last, batch, head, a.seqlen_q, a.seqlen_k));
-        kv_end = min(kv_end, mods.kv_hi(row0, q_last, batch, head, a.seqlen_q, a.seqlen_k));
-        n_first = lo / C::kBlockN;
-        n_blocks = kv_end > lo ? cdiv(kv_end, C::kBlockN) - n_first : 0;
-    }
+    const KvBlocks blocks = kv_blocks<C::kBlockN, C::kCausal>(mods, row0, q_rows, batch, head,
+                                                              a.seqlen_q, a.seqlen_k);
+    const int n_first = blocks.n_first;
+    int n_blocks = blocks.n_blocks;
     // A block mask lists the tiles instead (its classify kernel folded in causal, the sequence
     // ends and any kv range): iteration i visits KV tile kv_tile(i).
     SparseRow sparse{nullptr, nullptr, 0, 0};

@@ -135,31 +135,23 @@ struct TileWork {
     }
 };
 
-// The one place a tile's KV blocks are decided: the producer's loads, the consumers' steps and
-// the ring positions of later tiles all follow it. Causal is aligned bottom-right (query i sees
-// keys <= i + seqlen_k - seqlen_q); a kv_range narrows that to [kv_lo, kv_hi) of the tile's rows
-// (n_first is a compile-time 0 without one), as in flash_fwd_sm80.cuh; a block mask gives the
-// blocks itself (its classify kernel folded causal, the sequence ends and any kv range in).
+// The one place a tile's KV blocks are decided for this kernel: the producer's loads, the
+// consumers' steps and the ring positions of later tiles all follow it. kv_blocks
+// (flash_fwd_sm80.cuh) for causal and kv ranges; a block mask gives the blocks itself (its
+// classify kernel folded causal, the sequence ends and any kv range in).
 template <class C, class Mods>
 __device__ __forceinline__ TileWork tile_work(const FwdArgs<typename C::Elem>& a, const Mods& mods,
                                               int m_block, int head, int batch) {
     const int row0 = m_block * C::kBlockM;
     const int q_rows = min(a.seqlen_q - row0, C::kBlockM);
-    int kv_end = a.seqlen_k;
-    if constexpr (C::kCausal) kv_end = min(kv_end, row0 + q_rows + a.seqlen_k - a.seqlen_q);
-    int n_first = 0, n_blocks = kv_end > 0 ? cdiv(kv_end, C::kBlockN) : 0;
     if constexpr (Mods::kBlockSparse) {
         const SparseRow sparse = mods.sparse_row(batch, head, m_block);
         return TileWork{head, batch, row0, q_rows, 0, sparse.n_blocks, sparse};
     }
-    if constexpr (Mods::kKvRange) {
-        const int q_last = row0 + q_rows - 1;
-        const int lo = max(0, mods.kv_lo(row0, q_last, batch, head, a.seqlen_q, a.seqlen_k));
-        kv_end = min(kv_end, mods.kv_hi(row0, q_last, batch, head, a.seqlen_q, a.seqlen_k));
-        n_first = lo / C::kBlockN;
-        n_blocks = kv_end > lo ? cdiv(kv_end, C::kBlockN) - n_first : 0;
-    }
-    return TileWork{head, batch, row0, q_rows, n_first, n_blocks, SparseRow{nullptr, nullptr, 0, 0}};
+    const KvBlocks blocks = kv_blocks<C::kBlockN, C::kCausal>(mods, row0, q_rows, batch, head,
+                                                              a.seqlen_q, a.seqlen_k);
+    return TileWork{head, batch, row0, q_rows, blocks.n_first, blocks.n_blocks,
+                    SparseRow{nullptr, nullptr, 0, 0}};
 }
 
 // The tiles one CTA computes, in order. Not persistent: the one tile of its blockIdx (causal: the
