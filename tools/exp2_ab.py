@@ -1,0 +1,84 @@
+"""A/B of one tune key of the Hopper forward on the bench's shapes: each shape's shipped (or
+default) config as it is and with KEY set to each of VALUES, timed in interleaved rounds in one
+process, every output checked against the float32 reference (FlashAttention's rule).
+
+    python tools/exp2_ab.py [--key exp2_fma] [--values 0 1 2] [--head-dims 64 128]
+                            [--seqlens 1024 4096 16384] [--causal both] [--rounds 3]
+                            [--config '{"block_n": 128}']   (overrides on every shape's config)
+
+Prints TFLOP/s per value (median of the rounds' medians) and each value's ratio to the first.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from kernelgen import hopper, tune
+from kernelgen.bench import attention_flops, time_ms
+from kernelgen.reference import attention_ref, max_error, rounding_allowance
+from kernelgen.spec import load_spec
+
+SPEC = load_spec("flash_attn_fwd_sm90")
+
+
+def shipped(head_dim, causal, batch, seqlen, heads) -> dict:
+    variant = SPEC.variant(arch="sm_90a", head_dim=head_dim, dtype="bf16", causal=causal)
+    problem = tune.Problem(batch, heads, heads, seqlen, seqlen)
+    return dict(tune.lookup(SPEC, variant, problem).values)
+
+
+def check(q, k, v, causal, config) -> str:
+    out, _ = hopper.flash_attn_forward_sm90(q, k, v, causal, config=config)
+    ref, _ = attention_ref(q, k, v, causal, upcast=True)
+    pt, _ = attention_ref(q, k, v, causal, upcast=False)
+    err, err_pt = max_error(out, ref), max_error(pt, ref)
+    ok = err <= 2 * err_pt + rounding_allowance(ref)
+    return f"{'ok' if ok else 'WRONG'} err {err:.2e} (torch {err_pt:.2e})"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--key", default="exp2_fma")
+    p.add_argument("--values", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--causal", choices=["both", "true", "false"], default="both")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--config", type=json.loads, default={})
+    p.add_argument("--tokens", type=int, default=16384)
+    opts = p.parse_args()
+    causals = {"both": [False, True], "true": [True], "false": [False]}[opts.causal]
+    rows = []
+    for head_dim in opts.head_dims:
+        for causal in causals:
+            for seqlen in opts.seqlens:
+                batch, heads = max(1, opts.tokens // seqlen), 2048 // head_dim
+                torch.manual_seed(seqlen + head_dim)
+                q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda",
+                                       dtype=torch.bfloat16) for _ in range(3))
+                base = {**shipped(head_dim, causal, batch, seqlen, heads), **opts.config}
+                configs = [{**base, opts.key: value} for value in opts.values]
+                checks = [check(q, k, v, causal, c) if seqlen <= 4096 else "-" for c in configs]
+                times = [[] for _ in configs]
+                for _ in range(opts.rounds):
+                    for i, c in enumerate(configs):
+                        times[i].append(time_ms(lambda c=c: hopper.flash_attn_forward_sm90(
+                            q, k, v, causal, config=c)))
+                flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
+                tflops = [flops / statistics.median(t) / 1e9 for t in times]
+                rows.append((head_dim, causal, seqlen, base, tflops, checks))
+                cells = " ".join(f"{t:7.1f} {t / tflops[0]:.3f}x" for t in tflops)
+                print(f"hd{head_dim} {'causal' if causal else 'full'} {seqlen}: {cells}  "
+                      f"{' | '.join(checks)}  base {base}", flush=True)
+    print(f"\n{opts.key}: " + " ".join(str(v) for v in opts.values))
+    for head_dim, causal, seqlen, _, tflops, checks in rows:
+        print(f"hd{head_dim:<4} {'causal' if causal else 'full':6} {seqlen:>6} "
+              + " ".join(f"{t:7.1f} {t / tflops[0]:5.3f}x" for t in tflops)
+              + ("" if all(c.startswith(("ok", "-")) for c in checks) else "  WRONG"))
+
+
+if __name__ == "__main__":
+    main()
