@@ -5,6 +5,7 @@ process, every output checked against the float32 reference (FlashAttention's ru
     python tools/exp2_ab.py [--key exp2_fma] [--values 0 1 2] [--head-dims 64 128]
                             [--seqlens 1024 4096 16384] [--causal both] [--rounds 3]
                             [--config '{"block_n": 128}']   (overrides on every shape's config)
+                            [--mod softcap|alibi]   (that shipped mods spec instead of the plain one)
 
 Prints TFLOP/s per value (median of the rounds' medians) and each value's ratio to the first.
 """
@@ -16,7 +17,7 @@ import statistics
 
 import torch
 
-from kernelgen import hopper, tune
+from kernelgen import bench_mods, hopper, mods_sm90, tune
 from kernelgen.bench import attention_flops, time_ms
 from kernelgen.reference import attention_ref, max_error, rounding_allowance
 from kernelgen.spec import load_spec
@@ -24,16 +25,41 @@ from kernelgen.spec import load_spec
 SPEC = load_spec("flash_attn_fwd_sm90")
 
 
-def shipped(head_dim, causal, batch, seqlen, heads) -> dict:
-    variant = SPEC.variant(arch="sm_90a", head_dim=head_dim, dtype="bf16", causal=causal)
-    problem = tune.Problem(batch, heads, heads, seqlen, seqlen)
-    return dict(tune.lookup(SPEC, variant, problem).values)
+class Case:
+    """The plain Hopper forward, or a shipped mods spec on it (the bench's modifier values)."""
+
+    def __init__(self, mod: str | None, head_dim: int, causal: bool, heads: int):
+        self.causal, self.head_dim = causal, head_dim
+        self.spec = SPEC if mod is None else mods_sm90.sm90_spec(f"flash_attn_{mod}")
+        self.values, self.score_mod = (), None
+        if mod == "softcap":
+            self.values = (bench_mods.SOFTCAP,)
+            self.score_mod = bench_mods.softcap_score_mod(bench_mods.SOFTCAP)
+        elif mod == "alibi":
+            slopes = bench_mods.alibi_slopes(heads).cuda()
+            self.values, self.score_mod = (slopes, 0), bench_mods.alibi_score_mod(slopes, 0)
+        elif mod is not None:
+            raise SystemExit(f"--mod: softcap or alibi, not {mod!r}")
+        self.mod = mod
+
+    def shipped(self, batch, seqlen, heads) -> dict:
+        variant = self.spec.variant(arch="sm_90a", head_dim=self.head_dim, dtype="bf16",
+                                    causal=self.causal)
+        problem = tune.Problem(batch, heads, heads, seqlen, seqlen)
+        return dict(tune.lookup(self.spec, variant, problem).values)
+
+    def __call__(self, q, k, v, config):
+        if self.mod is None:
+            return hopper.flash_attn_forward_sm90(q, k, v, self.causal, config=config)
+        params = {"head_dim": self.head_dim, "dtype": "bf16", "causal": self.causal}
+        return mods_sm90.forward_sm90(self.spec, q, k, v, params, self.head_dim ** -0.5,
+                                      self.values, config=config)
 
 
-def check(q, k, v, causal, config) -> str:
-    out, _ = hopper.flash_attn_forward_sm90(q, k, v, causal, config=config)
-    ref, _ = attention_ref(q, k, v, causal, upcast=True)
-    pt, _ = attention_ref(q, k, v, causal, upcast=False)
+def check(case, q, k, v, config) -> str:
+    out, _ = case(q, k, v, config)
+    ref, _ = attention_ref(q, k, v, case.causal, upcast=True, score_mod=case.score_mod)
+    pt, _ = attention_ref(q, k, v, case.causal, upcast=False, score_mod=case.score_mod)
     err, err_pt = max_error(out, ref), max_error(pt, ref)
     ok = err <= 2 * err_pt + rounding_allowance(ref)
     return f"{'ok' if ok else 'WRONG'} err {err:.2e} (torch {err_pt:.2e})"
@@ -49,6 +75,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--config", type=json.loads, default={})
     p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--mod", help="softcap or alibi: that shipped mods spec's forward")
     opts = p.parse_args()
     causals = {"both": [False, True], "true": [True], "false": [False]}[opts.causal]
     rows = []
@@ -59,14 +86,14 @@ def main() -> None:
                 torch.manual_seed(seqlen + head_dim)
                 q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda",
                                        dtype=torch.bfloat16) for _ in range(3))
-                base = {**shipped(head_dim, causal, batch, seqlen, heads), **opts.config}
+                case = Case(opts.mod, head_dim, causal, heads)
+                base = {**case.shipped(batch, seqlen, heads), **opts.config}
                 configs = [{**base, opts.key: value} for value in opts.values]
-                checks = [check(q, k, v, causal, c) if seqlen <= 4096 else "-" for c in configs]
+                checks = [check(case, q, k, v, c) if seqlen <= 4096 else "-" for c in configs]
                 times = [[] for _ in configs]
                 for _ in range(opts.rounds):
                     for i, c in enumerate(configs):
-                        times[i].append(time_ms(lambda c=c: hopper.flash_attn_forward_sm90(
-                            q, k, v, causal, config=c)))
+                        times[i].append(time_ms(lambda c=c: case(q, k, v, c)))
                 flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
                 tflops = [flops / statistics.median(t) / 1e9 for t in times]
                 rows.append((head_dim, causal, seqlen, base, tflops, checks))
