@@ -88,11 +88,6 @@ CONFIGS = [
     (64, {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 2}),
     (96, {"block_m": 128, "block_n": 128, "stages": 3, "schedule": 0, "persistent": 2}),
     (256, {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 1, "persistent": 2}),
-    # exp2 on the FMA pipe for a quarter / half of the score columns (exp2_fma).
-    (64, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 0, "exp2_fma": 1}),
-    (64, {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 2,
-          "exp2_fma": 2}),
-    (128, {"block_m": 128, "block_n": 176, "stages": 2, "schedule": 1, "persistent": 1, "exp2_fma": 1}),
 ]
 
 
@@ -108,22 +103,6 @@ def test_schedules_and_tiles(monkeypatch, head_dim, config, causal):
         q = make(batch, seqlen_q, heads, head_dim, torch.bfloat16)
         k = make(batch, seqlen_k, heads_k, head_dim, torch.bfloat16)
         v = make(batch, seqlen_k, heads_k, head_dim, torch.bfloat16)
-        check(q, k, v, causal)
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_exp2_fma_fp16(monkeypatch, causal):
-    """fp16's P has 3 more bits than bf16's: the polynomial exp2 (exp2_fma 2, half the columns)
-    must stay within the rule there too, rows that see no key included."""
-    config = {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 0,
-              "exp2_fma": 2}
-    route_check_to_sm90(monkeypatch, config)
-    torch.manual_seed(7)
-    for (seqlen_q, seqlen_k), (batch, heads, heads_k) in (((1000, 17), (2, 2, 1)),
-                                                         ((333, 1517), (1, 4, 2))):
-        q = make(batch, seqlen_q, heads, 64, torch.float16)
-        k = make(batch, seqlen_k, heads_k, 64, torch.float16)
-        v = make(batch, seqlen_k, heads_k, 64, torch.float16)
         check(q, k, v, causal)
 
 

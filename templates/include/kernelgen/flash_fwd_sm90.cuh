@@ -56,10 +56,8 @@ namespace kg {
 // by the template for this variant's N.
 // SCHEDULE 0: plain (QK^T, softmax, PV in turn); 1: intra-warpgroup overlap; 2: overlap plus
 // pingpong between the consumer warpgroups (see sm90_consume).
-// EXP2_FMA: in how many of every 4 groups of 8 score columns softmax computes exp2 with FMAs
-// (exp2_fma) instead of MUFU.EX2 (0: none).
 template <class Elem_, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool CAUSAL,
-          int SCHEDULE, int PERSISTENT, int Q_BUFFERS, int EXP2_FMA, class QkGemm_, class PvGemm_>
+          int SCHEDULE, int PERSISTENT, int Q_BUFFERS, class QkGemm_, class PvGemm_>
 struct Sm90Config {
     using Elem = Elem_;
     using QkGemm = QkGemm_;
@@ -73,7 +71,6 @@ struct Sm90Config {
     static constexpr bool kDynamic = PERSISTENT == 2;    // ... claimed from a counter (TileQueue)
     static constexpr int kQBuffers = Q_BUFFERS;        // Q tiles used in turn by successive tiles
     static constexpr bool kTmaStore = Q_BUFFERS == 2;  // O stored from its Q buffer by TMA
-    static constexpr int kExp2Fma = EXP2_FMA;          // of every 4 column groups of 8 (softmax_step)
     static constexpr int kConsumers = BLOCK_M / 64;          // one warpgroup per 64 query rows
     static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
     // Per-thread register budgets after setmaxnreg (FA3's: 24/240 for 2 consumers, 32/160 for 3).
@@ -102,7 +99,6 @@ struct Sm90Config {
     static_assert(PERSISTENT >= 0 && PERSISTENT <= 2, "a CTA per tile, static or dynamic loop");
     static_assert(Q_BUFFERS == 1 || (Q_BUFFERS == 2 && PERSISTENT),
                   "a second Q buffer serves the next tile of a persistent CTA");
-    static_assert(EXP2_FMA >= 0 && EXP2_FMA <= 4, "a number of column groups out of 4");
 };
 
 template <class C>
@@ -364,26 +360,9 @@ __device__ __forceinline__ void mask_scores(float (&acc_s)[C::kBlockN / 2],
         }
 }
 
-// 2^x on the FMA pipe, for x <= 0 (FA4's trick, HOPPER_GUIDE): where softmax is bound by MUFU
-// (16 exp2 per clock per SM against 4096 tensor FLOPs: at head_dim 64 a block's exp2 take as long
-// as its two GEMMs), some of the scores take this path instead. x = n + f with n = round(x) and
-// f in [-0.5, 0.5]: adding 1.5 * 2^23 rounds x into the low mantissa bits; 2^f is a degree-3
-// polynomial (relative error 1.0e-4, a tenth of an fp16 ulp of P: P is then rounded to 16 bits)
-// exact at f = 0, and n goes into the exponent field by an integer add of n << 23 (the 2^23 * 1.5
-// bits above bit 8 fall off the shift). x <= -127 (masked: -inf) gives exactly 0, as MUFU's ftz.
-__device__ __forceinline__ float exp2_fma(float x) {
-    constexpr float kRound = 12582912.f;  // 1.5 * 2^23
-    x = fmaxf(x, -127.f);
-    const float j = x + kRound;
-    const float f = x - (j - kRound);
-    const float p = fmaf(fmaf(fmaf(0.0550086275f, f, 0.242210433f), f, 0.693283021f), f, 1.f);
-    return __int_as_float(__float_as_int(p) + (__float_as_int(j) << 23));
-}
-
 // Online softmax on this thread's rows (h = 0: lane_row, h = 1: lane_row + 8), the math of
 // flash_fwd_sm80.cuh: new running max, alpha = exp2((m_old - m_new) * c) for O and l, and
-// S -> P = exp2(S * c - m_new * c) in place (fp32); column groups i with i % 4 < kExp2Fma by
-// exp2_fma, spread over the row so MUFU and the FMA pipe work side by side.
+// S -> P = exp2(S * c - m_new * c) in place (fp32).
 template <class C>
 __device__ __forceinline__ void softmax_step(float (&acc_s)[C::kBlockN / 2], float (&row_max)[2],
                                              float (&row_sum)[2], float scale_log2,
@@ -407,10 +386,7 @@ __device__ __forceinline__ void softmax_step(float (&acc_s)[C::kBlockN / 2], flo
             #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 float& x = acc_s[4 * i + 2 * h + j];
-                if (i % 4 < C::kExp2Fma)
-                    x = exp2_fma(fmaf(x, scale_log2, -m_scaled));
-                else
-                    x = exp2_approx(fmaf(x, scale_log2, -m_scaled));
+                x = exp2_approx(fmaf(x, scale_log2, -m_scaled));
                 sum += x;
             }
         row_sum[h] = row_sum[h] * alpha[h] + sum;  // per-lane partial; the quad reduces at the end

@@ -2,10 +2,10 @@
 default) config as it is and with KEY set to each of VALUES, timed in interleaved rounds in one
 process, every output checked against the float32 reference (FlashAttention's rule).
 
-    python tools/exp2_ab.py [--key exp2_fma] [--values 0 1 2] [--head-dims 64 128]
-                            [--seqlens 1024 4096 16384] [--causal both] [--rounds 3]
-                            [--config '{"block_n": 128}']   (overrides on every shape's config)
-                            [--mod softcap|alibi]   (that shipped mods spec instead of the plain one)
+    python tools/config_ab.py --key schedule --values 1 2 [--head-dims 64 128]
+                              [--seqlens 1024 4096 16384] [--causal both] [--rounds 3]
+                              [--config '{"block_n": 128}']   (overrides on every shape's config)
+                              [--mod softcap|alibi]   (that shipped mods spec instead of the plain one)
 
 Prints TFLOP/s per value (median of the rounds' medians) and each value's ratio to the first.
 """
@@ -67,8 +67,8 @@ def check(case, q, k, v, config) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--key", default="exp2_fma")
-    p.add_argument("--values", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--key", required=True, help="a tune key of flash_attn_fwd_sm90")
+    p.add_argument("--values", type=int, nargs="+", required=True)
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--causal", choices=["both", "true", "false"], default="both")
