@@ -27,8 +27,13 @@ TEMPLATE_INCLUDE_DIR = REPO_ROOT / "templates" / "include"
 
 # ptxas warnings that mean the Hopper fast path silently degraded (wgmma serialized, setmaxnreg
 # ignored, ...): the kernel would be correct but slow, so they fail the build like errors do.
-FATAL_PTXAS_WARNINGS = ("C7508", "C7510", "C7511", "C7512", "C7513", "C7514", "C7515")
-_FATAL_RE = re.compile(r"\((C75(?:08|1[0-5]))\)")
+# Besides these codes, any ptxas line saying wgmma instructions "are serialized" counts (ptxas
+# 13.0 gives C7520, "... due to program dependence on compiler-inserted WG.AR in divergent
+# path", where 13.5 gives nothing); C7519, an injected warpgroup.arrive, does not serialize.
+FATAL_PTXAS_WARNINGS = ("C7508", "C7510", "C7511", "C7512", "C7513", "C7514", "C7515", "C7516",
+                        "C7517", "C7518", "C7520")
+_FATAL_RE = re.compile(r"\((C75(?:08|1[0-8]|20))\)")
+_SERIALIZED_RE = re.compile(r"\((C\d+)\)[^\n]*instructions are serialized")
 _ARCH_RE = re.compile(r"sm_\d{2,3}a?")
 _LOG_LINES_SHOWN = 40
 
@@ -180,7 +185,7 @@ def compile_source(source_text: str, name: str, entry: str, arch: str) -> Binary
 
     if not ok:
         raise fail(f"NVRTC failed to compile {name} for {arch}")
-    fatal = sorted(set(_FATAL_RE.findall(text)))
+    fatal = sorted(set(_FATAL_RE.findall(text)) | set(_SERIALIZED_RE.findall(text)))
     if fatal:
         raise fail(f"ptxas degraded {name} for {arch} (warning {', '.join(fatal)})")
     resources = parse_ptxas_log(text, entry)

@@ -142,7 +142,7 @@ def test_spill_fields_parse_for_the_entry_only():
     assert compiler.parse_ptxas_log(SPILLING_LOG, "missing") is None
 
 
-@pytest.mark.parametrize("code", ["C7508", "C7510", "C7515"])
+@pytest.mark.parametrize("code", ["C7508", "C7510", "C7515", "C7520", "C7599"])
 def test_degrading_ptxas_warning_fails(cache_dir, monkeypatch, code):
     canned = SPILLING_LOG.replace("other", "mma_probe") + (
         f"ptxas warning : ({code}) Potential Performance Loss: wgmma.mma_async instructions are "
@@ -155,7 +155,9 @@ def test_degrading_ptxas_warning_fails(cache_dir, monkeypatch, code):
 
 
 def test_benign_ptxas_warning_passes(cache_dir, monkeypatch):
-    canned = SPILLING_LOG.replace("other", "mma_probe") + "ptxas warning : (C7520) something benign\n"
+    canned = SPILLING_LOG.replace("other", "mma_probe") + (
+        "ptxas info    : (C7519) warpgroup.arrive is injected in around line 120 by compiler to "
+        "allow use of registers in GMMA in function 'mma_probe'\n")
     monkeypatch.setattr(compiler, "_run_nvrtc", lambda text, program, options: (True, canned, b"\x7fELF"))
     assert compiler.compile_source(MMA_KERNEL, "fine", "mma_probe", "sm_90a").registers == 32
 
