@@ -5,7 +5,7 @@ process, every output checked against the float32 reference (FlashAttention's ru
     python tools/config_ab.py --key schedule --values 1 2 [--head-dims 64 128]
                               [--seqlens 1024 4096 16384] [--causal both] [--rounds 3]
                               [--config '{"block_n": 128}']   (overrides on every shape's config)
-                              [--mod softcap|alibi]   (that shipped mods spec instead of the plain one)
+                              [--mod softcap|alibi|window|document]   (that mods spec, not the plain one)
 
 Prints TFLOP/s per value (median of the rounds' medians) and each value's ratio to the first.
 """
@@ -17,8 +17,8 @@ import statistics
 
 import torch
 
-from kernelgen import bench_mods, hopper, mods_sm90, tune
-from kernelgen.bench import attention_flops, time_ms
+from kernelgen import bench_mods, blockmask, hopper, mods_sm90, tune
+from kernelgen.bench import time_ms
 from kernelgen.reference import attention_ref, max_error, rounding_allowance
 from kernelgen.spec import load_spec
 
@@ -26,40 +26,60 @@ SPEC = load_spec("flash_attn_fwd_sm90")
 
 
 class Case:
-    """The plain Hopper forward, or a shipped mods spec on it (the bench's modifier values)."""
+    """The plain Hopper forward, or a shipped mods spec on it with the bench's modifier values
+    (kernelgen/bench_mods.py): TFLOP/s count only the visible work, as `bench --mods` does."""
 
-    def __init__(self, mod: str | None, head_dim: int, causal: bool, heads: int):
-        self.causal, self.head_dim = causal, head_dim
+    def __init__(self, mod: str | None, head_dim: int, causal: bool, batch: int, seqlen: int,
+                 heads: int):
+        self.mod, self.causal, self.head_dim = mod, causal, head_dim
         self.spec = SPEC if mod is None else mods_sm90.sm90_spec(f"flash_attn_{mod}")
-        self.values, self.score_mod = (), None
+        self.values, self.score_mod, self.mask_mod, self.block_mask = (), None, None, None
+        pairs = batch * bench_mods.window_pairs(seqlen, seqlen, -1, -1, causal)
         if mod == "softcap":
             self.values = (bench_mods.SOFTCAP,)
             self.score_mod = bench_mods.softcap_score_mod(bench_mods.SOFTCAP)
         elif mod == "alibi":
             slopes = bench_mods.alibi_slopes(heads).cuda()
             self.values, self.score_mod = (slopes, 0), bench_mods.alibi_score_mod(slopes, 0)
+        elif mod == "window":
+            left, right = bench_mods.WINDOW[causal]
+            self.values = (left, right)
+            self.mask_mod = bench_mods.window_mask_mod(left, right, 0, causal)
+            pairs = batch * bench_mods.window_pairs(seqlen, seqlen, left, right, causal)
+        elif mod == "document":   # the bench's documents (same seed), its block mask built once
+            lengths = bench_mods.document_lengths(batch, seqlen, max(2, seqlen // 1024), seqlen)
+            ids = bench_mods.document_ids(lengths).cuda()
+            self.values = (ids, ids)
+            self.mask_mod = bench_mods.document_mask_mod(ids, causal)
+            self.block_mask = blockmask.create_block_mask(
+                self.spec, self.params, batch, heads, seqlen, seqlen,
+                {"doc_q": ids, "doc_k": ids}, "cuda")
+            pairs = bench_mods.document_pairs(lengths, causal)
         elif mod is not None:
-            raise SystemExit(f"--mod: softcap or alibi, not {mod!r}")
-        self.mod = mod
+            raise SystemExit(f"--mod: softcap, alibi, window or document, not {mod!r}")
+        self.flops = bench_mods.masked_flops(pairs, heads, head_dim)
+
+    @property
+    def params(self) -> dict:
+        return {"head_dim": self.head_dim, "dtype": "bf16", "causal": self.causal}
 
     def shipped(self, batch, seqlen, heads) -> dict:
-        variant = self.spec.variant(arch="sm_90a", head_dim=self.head_dim, dtype="bf16",
-                                    causal=self.causal)
+        variant = self.spec.variant(arch="sm_90a", **self.params)
         problem = tune.Problem(batch, heads, heads, seqlen, seqlen)
         return dict(tune.lookup(self.spec, variant, problem).values)
 
     def __call__(self, q, k, v, config):
         if self.mod is None:
             return hopper.flash_attn_forward_sm90(q, k, v, self.causal, config=config)
-        params = {"head_dim": self.head_dim, "dtype": "bf16", "causal": self.causal}
-        return mods_sm90.forward_sm90(self.spec, q, k, v, params, self.head_dim ** -0.5,
-                                      self.values, config=config)
+        return mods_sm90.forward_sm90(self.spec, q, k, v, self.params, self.head_dim ** -0.5,
+                                      self.values, config=config, block_mask=self.block_mask)
 
 
 def check(case, q, k, v, config) -> str:
     out, _ = case(q, k, v, config)
-    ref, _ = attention_ref(q, k, v, case.causal, upcast=True, score_mod=case.score_mod)
-    pt, _ = attention_ref(q, k, v, case.causal, upcast=False, score_mod=case.score_mod)
+    mods = {"score_mod": case.score_mod, "mask_mod": case.mask_mod}
+    ref, _ = attention_ref(q, k, v, case.causal, upcast=True, **mods)
+    pt, _ = attention_ref(q, k, v, case.causal, upcast=False, **mods)
     err, err_pt = max_error(out, ref), max_error(pt, ref)
     ok = err <= 2 * err_pt + rounding_allowance(ref)
     return f"{'ok' if ok else 'WRONG'} err {err:.2e} (torch {err_pt:.2e})"
@@ -75,7 +95,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--config", type=json.loads, default={})
     p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--mod", help="softcap or alibi: that shipped mods spec's forward")
+    p.add_argument("--mod", help="softcap, alibi, window or document: that shipped mods spec")
     opts = p.parse_args()
     causals = {"both": [False, True], "true": [True], "false": [False]}[opts.causal]
     rows = []
@@ -86,16 +106,22 @@ def main() -> None:
                 torch.manual_seed(seqlen + head_dim)
                 q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda",
                                        dtype=torch.bfloat16) for _ in range(3))
-                case = Case(opts.mod, head_dim, causal, heads)
+                case = Case(opts.mod, head_dim, causal, batch, seqlen, heads)
                 base = {**case.shipped(batch, seqlen, heads), **opts.config}
                 configs = [{**base, opts.key: value} for value in opts.values]
+                variant = case.spec.variant(arch="sm_90a", **case.params)
+                invalid = [problem for c in configs
+                           for problem in case.spec.violations(variant, case.spec.parse_config(c))]
+                if invalid:
+                    print(f"hd{head_dim} {'causal' if causal else 'full'} {seqlen}: skipped, "
+                          f"{base} with {opts.key} {opts.values}: {invalid[0]}", flush=True)
+                    continue
                 checks = [check(case, q, k, v, c) if seqlen <= 4096 else "-" for c in configs]
                 times = [[] for _ in configs]
                 for _ in range(opts.rounds):
                     for i, c in enumerate(configs):
                         times[i].append(time_ms(lambda c=c: case(q, k, v, c)))
-                flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
-                tflops = [flops / statistics.median(t) / 1e9 for t in times]
+                tflops = [case.flops / statistics.median(t) / 1e9 for t in times]
                 rows.append((head_dim, causal, seqlen, base, tflops, checks))
                 cells = " ".join(f"{t:7.1f} {t / tflops[0]:.3f}x" for t in tflops)
                 print(f"hd{head_dim} {'causal' if causal else 'full'} {seqlen}: {cells}  "
