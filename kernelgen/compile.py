@@ -32,7 +32,7 @@ TEMPLATE_INCLUDE_DIR = REPO_ROOT / "templates" / "include"
 # path", where 13.5 gives nothing); C7519, an injected warpgroup.arrive, does not serialize.
 FATAL_PTXAS_WARNINGS = ("C7508", "C7510", "C7511", "C7512", "C7513", "C7514", "C7515", "C7516",
                         "C7517", "C7518", "C7520")
-_FATAL_RE = re.compile(r"\((C75(?:08|1[0-8]|20))\)")
+_FATAL_RE = re.compile(r"\((" + "|".join(FATAL_PTXAS_WARNINGS) + r")\)")
 _SERIALIZED_RE = re.compile(r"\((C\d+)\)[^\n]*instructions are serialized")
 _ARCH_RE = re.compile(r"sm_\d{2,3}a?")
 _LOG_LINES_SHOWN = 40

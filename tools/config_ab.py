@@ -5,7 +5,7 @@ process, every output checked against the float32 reference (FlashAttention's ru
     python tools/config_ab.py --key schedule --values 1 2 [--head-dims 64 128]
                               [--seqlens 1024 4096 16384] [--causal both] [--rounds 3]
                               [--config '{"block_n": 128}']   (overrides on every shape's config)
-                              [--mod softcap|alibi|window|document]   (that mods spec, not the plain one)
+                              [--mod softcap|alibi|window|document]   (that mods spec instead)
 
 Prints TFLOP/s per value (median of the rounds' medians) and each value's ratio to the first.
 """
@@ -21,42 +21,41 @@ from kernelgen import bench_mods, blockmask, hopper, mods_sm90, tune
 from kernelgen.bench import time_ms
 from kernelgen.reference import attention_ref, max_error, rounding_allowance
 from kernelgen.spec import load_spec
+from tune_mods import mod_args  # tools/: the bench's modifier arguments, by name
 
 SPEC = load_spec("flash_attn_fwd_sm90")
 
 
 class Case:
     """The plain Hopper forward, or a shipped mods spec on it with the bench's modifier values
-    (kernelgen/bench_mods.py): TFLOP/s count only the visible work, as `bench --mods` does."""
+    (tools/tune_mods.py's mod_args): TFLOP/s count only the visible work, as `bench --mods` does."""
 
     def __init__(self, mod: str | None, head_dim: int, causal: bool, batch: int, seqlen: int,
                  heads: int):
         self.mod, self.causal, self.head_dim = mod, causal, head_dim
-        self.spec = SPEC if mod is None else mods_sm90.sm90_spec(f"flash_attn_{mod}")
-        self.values, self.score_mod, self.mask_mod, self.block_mask = (), None, None, None
+        self.spec, self.values, self.block_mask = SPEC, (), None
+        self.score_mod, self.mask_mod = None, None
         pairs = batch * bench_mods.window_pairs(seqlen, seqlen, -1, -1, causal)
+        if mod is not None:
+            name, args = mod_args(mod, causal, heads, batch, seqlen)
+            self.spec = mods_sm90.sm90_spec(name)
+            self.values = tuple(args[a.name] for a in self.spec.mods.args)
+        # The float32 reference's view of the same modification, and the visible pairs.
         if mod == "softcap":
-            self.values = (bench_mods.SOFTCAP,)
-            self.score_mod = bench_mods.softcap_score_mod(bench_mods.SOFTCAP)
+            self.score_mod = bench_mods.softcap_score_mod(args["softcap"])
         elif mod == "alibi":
-            slopes = bench_mods.alibi_slopes(heads).cuda()
-            self.values, self.score_mod = (slopes, 0), bench_mods.alibi_score_mod(slopes, 0)
+            self.score_mod = bench_mods.alibi_score_mod(args["alibi_slopes"], 0)
         elif mod == "window":
-            left, right = bench_mods.WINDOW[causal]
-            self.values = (left, right)
+            left, right = args["window_left"], args["window_right"]
             self.mask_mod = bench_mods.window_mask_mod(left, right, 0, causal)
             pairs = batch * bench_mods.window_pairs(seqlen, seqlen, left, right, causal)
-        elif mod == "document":   # the bench's documents (same seed), its block mask built once
-            lengths = bench_mods.document_lengths(batch, seqlen, max(2, seqlen // 1024), seqlen)
-            ids = bench_mods.document_ids(lengths).cuda()
-            self.values = (ids, ids)
+        elif mod == "document":   # its block mask built once, outside the timing
+            ids = args["doc_q"]
             self.mask_mod = bench_mods.document_mask_mod(ids, causal)
-            self.block_mask = blockmask.create_block_mask(
-                self.spec, self.params, batch, heads, seqlen, seqlen,
-                {"doc_q": ids, "doc_k": ids}, "cuda")
-            pairs = bench_mods.document_pairs(lengths, causal)
-        elif mod is not None:
-            raise SystemExit(f"--mod: softcap, alibi, window or document, not {mod!r}")
+            self.block_mask = blockmask.create_block_mask(self.spec, self.params, batch, heads,
+                                                          seqlen, seqlen, args, "cuda")
+            same = (ids[:, :, None] == ids[:, None, :])
+            pairs = int((same.tril() if causal else same).sum())
         self.flops = bench_mods.masked_flops(pairs, heads, head_dim)
 
     @property
