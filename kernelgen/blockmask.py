@@ -158,8 +158,17 @@ class BlockMask:
             if built is not None and built != given:
                 raise ValueError(f"block_mask was built for {name}={built}, but the inputs have "
                                  f"{name}={given}")
-        if torch.device(self.device) != torch.device(device):
+        if _resolved(self.device) != _resolved(device):
             raise ValueError(f"block_mask is on {self.device}, but q is on {device}")
+
+
+def _resolved(device) -> torch.device:
+    """device with its index filled in: "cuda" is the current CUDA device, so a mask built on
+    "cuda" serves inputs on "cuda:0" when that is the current one."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def check_argument(block_mask, spec: KernelSpec) -> None:

@@ -139,3 +139,13 @@ def test_a_mask_of_another_problem_is_refused_before_launch():
         kernel(q, k, v, doc_q=ids, doc_k=doc_k, block_mask=mask)
     with pytest.raises(TypeError, match="block_mask must be a kernelgen BlockMask"):
         kernel(q[:, :300], k, v, doc_q=doc_q, doc_k=doc_k, block_mask=mask.lists(64, 64))
+
+
+def test_a_mask_built_on_cuda_serves_inputs_on_the_current_cuda_device():
+    """"cuda" and "cuda:0" name one device when 0 is the current one (tools/config_ab.py met this)."""
+    spec = kernelgen.load("flash_attn_document", head_dim=64, dtype="bf16").spec
+    built = blockmask.BlockMask("flash_attn_document", False, 2, None, 40, 50, "cuda")
+    current = torch.device("cuda", torch.cuda.current_device())
+    built.check(spec, False, 2, 4, 40, 50, current)
+    with pytest.raises(ValueError, match="block_mask is on cuda, but q is on cpu"):
+        built.check(spec, False, 2, 4, 40, 50, torch.device("cpu"))
