@@ -368,11 +368,18 @@ __device__ __forceinline__ u32 panel_offset_bwd(int rows, int row, int col) {
 // as without mods. Element (i, e) is key key0 + 8 * (e / 2), query query0 + 8 * i + (e & 1);
 // lse2 points at the lane's first query's LSE * log2e. Indices are clamped into the sequences
 // for the mods (padding rows and columns are masked or never stored), as in flash_bwd_sm80.cuh.
-template <class C, class Mods>
-__device__ __forceinline__ void bwd_mod_probs(float (&acc_s)[C::kBlockM / 2], Packed<C::kBlockM>& p16,
-                                              const BwdArgs<typename C::Elem>& a, const Mods& mods,
-                                              int batch, int head, int key0, int query0,
-                                              const float* lse2, bool need_mask, bool need_mod_mask) {
+// MASKED: the pair needs a mask (need_mask, need_mod_mask say which); the pairs that need none
+// (all but the edges of a window or a document) take the copy without the per-element tests,
+// which cost the window's backward a quarter of its time when every pair paid for them. Not at
+// head_dim 96, whose consumers sit at the register limit: there the second copy spills (alibi
+// and document causal), and every pair takes the masked one.
+template <bool MASKED, class C, class Mods>
+__device__ __forceinline__ void bwd_mod_probs_pass(float (&acc_s)[C::kBlockM / 2],
+                                                   Packed<C::kBlockM>& p16,
+                                                   const BwdArgs<typename C::Elem>& a,
+                                                   const Mods& mods, int batch, int head, int key0,
+                                                   int query0, const float* lse2, bool need_mask,
+                                                   bool need_mod_mask) {
     const ModSite at{batch, a.seqlen_q, a.seqlen_k, a.softmax_scale};
     const int shift = a.seqlen_k - a.seqlen_q;
     #pragma unroll
@@ -384,10 +391,13 @@ __device__ __forceinline__ void bwd_mod_probs(float (&acc_s)[C::kBlockM / 2], Pa
             #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 const int e = 2 * h + c, key = key0 + 8 * h, query = query0 + 8 * i + c;
-                bool hidden = need_mask && key >= a.seqlen_k;
-                if constexpr (C::kCausal) hidden |= need_mask && key > query + shift;
-                if constexpr (Mods::kMaskMod)
-                    hidden |= need_mod_mask && mod_hides(mods, at, head, query, key);
+                bool hidden = false;
+                if constexpr (MASKED) {
+                    hidden = need_mask && key >= a.seqlen_k;
+                    if constexpr (C::kCausal) hidden |= need_mask && key > query + shift;
+                    if constexpr (Mods::kMaskMod)
+                        hidden |= need_mod_mask && mod_hides(mods, at, head, query, key);
+                }
                 const float lse = c ? l.y : l.x;
                 float grad = 1.f;
                 if constexpr (Mods::kScoreMod) {
@@ -406,6 +416,19 @@ __device__ __forceinline__ void bwd_mod_probs(float (&acc_s)[C::kBlockM / 2], Pa
             p16.r[i / 2][(i % 2) * 2 + h] = pack2<typename C::Elem>(p[0], p[1]);
         }
     }
+}
+
+template <class C, class Mods>
+__device__ __forceinline__ void bwd_mod_probs(float (&acc_s)[C::kBlockM / 2], Packed<C::kBlockM>& p16,
+                                              const BwdArgs<typename C::Elem>& a, const Mods& mods,
+                                              int batch, int head, int key0, int query0,
+                                              const float* lse2, bool need_mask, bool need_mod_mask) {
+    if (C::kHeadDim == 96 || need_mask || need_mod_mask)
+        bwd_mod_probs_pass<true, C>(acc_s, p16, a, mods, batch, head, key0, query0, lse2,
+                                    need_mask, need_mod_mask);
+    else
+        bwd_mod_probs_pass<false, C>(acc_s, p16, a, mods, batch, head, key0, query0, lse2,
+                                     false, false);
 }
 
 // One consumer warpgroup: keys kv0 + 64 * wg .. + 63 of the CTA's tile.
