@@ -37,6 +37,10 @@ class CExpr:
     # The variables it reads (not functions): a block mask of a mask_mod that never reads
     # `batch` (or `head`) is the same for every batch element (head), so it keeps one.
     names: frozenset = frozenset()
+    # Names read inside a [...] subscript, and names read without one after them (a pointer
+    # there is pointer arithmetic): where a per-token index can reach memory (Mods.clamps_indices).
+    subscripted: frozenset = frozenset()
+    unsubscripted: frozenset = frozenset()
 
 
 def check_cexpr(text, *, where: str, file: str, line: int, names) -> CExpr:
@@ -45,11 +49,12 @@ def check_cexpr(text, *, where: str, file: str, line: int, names) -> CExpr:
         raise CExprError(f"{where}: expected a C expression in a string, got {text!r}")
     allowed = set(names)
     tokens = list(_tokens(text, where))
-    depth = 0
-    used = set()
+    depth = brackets = 0
+    used, subscripted, unsubscripted = set(), set(), set()
     for i, (kind, value) in enumerate(tokens):
         if kind == "op":
             depth += {"(": 1, ")": -1}.get(value, 0)
+            brackets += {"[": 1, "]": -1}.get(value, 0)
             if depth < 0:
                 raise CExprError(f"{where}: unbalanced ')' in {text!r}")
         if kind != "name" or value in KEYWORDS:
@@ -67,9 +72,14 @@ def check_cexpr(text, *, where: str, file: str, line: int, names) -> CExpr:
                              f"allowed names: {', '.join(sorted(allowed))}")
         else:
             used.add(value)
+            if brackets:
+                subscripted.add(value)
+            if follows != "[":
+                unsubscripted.add(value)
     if depth:
         raise CExprError(f"{where}: unbalanced '(' in {text!r}")
-    return CExpr(text.strip(), file, line, frozenset(used))
+    return CExpr(text.strip(), file, line, frozenset(used), frozenset(subscripted),
+                 frozenset(unsubscripted))
 
 
 def _tokens(text: str, where: str):

@@ -191,6 +191,18 @@ class Mods:
         return bool(self.score_mod or self.mask_mod or self.kv_range or self.block_sparse)
 
     @property
+    def clamps_indices(self) -> bool:
+        """Whether a per-score expression may read memory at an address that depends on q_idx or
+        kv_idx (a subscript naming one, or a tensor argument used as a pointer): the forwards
+        then clamp the indices into the sequences, so that the padding rows and columns of a
+        tile read in bounds. Otherwise (ALiBi's slopes[head], a window) they pass them as they
+        are: a min per index and score fewer."""
+        tensors = {a.name for a in self.args if a.type == "ptr"}
+        return any(expr is not None and bool(tensors & expr.unsubscripted
+                                             or {"q_idx", "kv_idx"} & expr.subscripted)
+                   for expr in (self.score_mod, self.score_mod_grad, self.mask_mod))
+
+    @property
     def block_args(self) -> tuple:
         return BLOCK_SPARSE_ARGS if self.block_sparse else ()
 

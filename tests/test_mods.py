@@ -32,6 +32,39 @@ def test_bad_expressions_are_caught_before_nvrtc(text, match):
                     names={"score", "q_idx"})
 
 
+@pytest.mark.parametrize("score_mod, clamps", [
+    ("score - slopes[batch * 4 + head] * fabsf((float)(q_idx - kv_idx))", False),  # ALiBi's kind
+    ("score + table[kv_idx]", True),
+    ("score + table[batch * seqlen_k + (q_idx + 1) / 2]", True),
+    ("score + *(table + kv_idx)", True),      # pointer arithmetic: no subscript to look into
+    ("score + table[head] * (float)q_idx", False),
+])
+def test_indices_are_clamped_where_a_mod_reads_memory_at_them(tmp_path, score_mod, clamps):
+    """The forwards pass q_idx/kv_idx unclamped only to expressions that cannot turn them into an
+    address (a padding row or column would read out of bounds)."""
+    path = write(tmp_path, f"""
+        name: my_attention
+        extends: flash_attn_fwd
+        mods:
+          args:
+            - {{name: table, type: ptr, ctype: "const float*"}}
+            - {{name: slopes, type: ptr, ctype: "const float*"}}
+          score_mod: "{score_mod}"
+        """)
+    assert load_spec(path).mods.clamps_indices is clamps
+
+
+def test_shipped_mods_clamp_indices_only_for_per_token_tensors():
+    clamps = {name: load_spec(name).mods.clamps_indices for name in MOD_SPECS}
+    assert clamps == {"flash_attn_softcap": False, "flash_attn_window": False,
+                      "flash_attn_alibi": False, "flash_attn_document": True}
+    for name, flag in (("flash_attn_document", "true"), ("flash_attn_alibi", "false")):
+        spec = load_spec(name, onto="flash_attn_fwd_sm90")
+        variant = spec.variant("sm_90a", head_dim=64, dtype="bf16", causal=False)
+        source = render.render(spec, variant, spec.default_config(variant))
+        assert f"kClampIndices = {flag};" in source.text
+
+
 def test_unknown_name_lists_what_may_be_used(tmp_path):
     path = write(tmp_path, """
         name: my_attention

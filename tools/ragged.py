@@ -49,6 +49,16 @@ for head_dim in (64, 96, 128, 192, 256):
             x = q.detach()
             kernelgen.flash_attn_func(x, k.detach(), v.detach(), causal=causal, window_size=(5, 3))
             kernelgen.flash_attn_func(x, k.detach(), v.detach(), causal=causal, softcap=4.0)
+            # ALiBi's forward passes the mods unclamped indices (it reads no per-token tensor).
+            slopes = torch.rand(4, device="cuda", dtype=torch.float32)
+            kernelgen.flash_attn_func(x, k.detach(), v.detach(), causal=causal, alibi_slopes=slopes)
+            if head_dim in (64, 96, 128):   # the window's gradient: the kv-range walk of pairs
+                xw = x.clone().requires_grad_()
+                out = kernelgen.flash_attn_func(xw, k.detach(), v.detach(), causal=causal,
+                                                window_size=(5, 3))
+                grad, = torch.autograd.grad(out, xw, torch.ones_like(out))
+                report(bool(torch.isfinite(grad).all()), "window bwd", head_dim, causal,
+                       seqlen_q, seqlen_k)
             # A block-sparse spec (document ids; its classify kernel and block lists), with the
             # gradient through the modifier backward.
             docs = (torch.arange(seqlen_k, device="cuda", dtype=torch.int32) // 29).repeat(2, 1)

@@ -93,6 +93,8 @@ struct Mods {
     static constexpr bool kMaskMod = false;
     static constexpr bool kKvRange = false;
     static constexpr bool kBlockSparse = false;
+    // Whether score_mod / mask_mod read memory at a per-token index (kg::mod_index).
+    static constexpr bool kClampIndices = false;
     __device__ __forceinline__ kg::SparseRow sparse_row(int, int, int) const {
         return kg::SparseRow{nullptr, nullptr, 0, 0};  // no block mask: never called
     }

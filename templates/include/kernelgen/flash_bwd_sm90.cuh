@@ -230,11 +230,17 @@ struct BwdWalk {
             return BwdPair{w.head(it), w.m0(it, C::kBlockM), false};
         }
     }
+    // The next seen pair from `from` on. Most often it is `from` itself (a window's pairs are
+    // consecutive), which one test, the same in every lane, settles without the warp search and
+    // its chain of shuffles.
     __device__ __forceinline__ int find(int from) const {
-        return bwd_first_seen(from, w.per_head * w.group, int(threadIdx.x % 32), [&](int pair) {
+        const auto seen = [&](int pair) {
             return bwd_pair_seen<C>(a, mods, w.kv_head, w.batch, w.kv0, w.group, w.m_first,
                                     w.per_head, pair);
-        });
+        };
+        const int count = w.per_head * w.group;
+        if (from >= count || seen(from)) return min(from, count);
+        return bwd_first_seen(from + 1, count, int(threadIdx.x % 32), seen);
     }
 };
 

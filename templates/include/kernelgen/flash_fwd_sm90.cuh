@@ -306,8 +306,7 @@ __device__ __forceinline__ FullRange full_range(const FwdArgs<typename C::Elem>&
 
 // Element (i, e) of this thread's S accumulators: row lane_row + (e / 2) * 8, key
 // col0 + 2 * (lane % 4) + 8 * i + (e & 1) (wgmma.cuh). A score_mod rewrites every scaled score,
-// with the indices clamped into the sequences so that a mod reading per-token tensors stays in
-// bounds on the padding rows and columns (those are masked or never stored).
+// the indices clamped into the sequences where it reads a tensor (mod_index).
 template <class C, class Mods>
 __device__ __forceinline__ void modify_scores(float (&acc_s)[C::kBlockN / 2],
                                               const FwdArgs<typename C::Elem>& a, const Mods& mods,
@@ -319,8 +318,8 @@ __device__ __forceinline__ void modify_scores(float (&acc_s)[C::kBlockN / 2],
         for (int e = 0; e < 4; ++e)
             acc_s[4 * i + e] = mods.score_mod(
                 acc_s[4 * i + e] * a.softmax_scale, w.batch, w.head,
-                min(lane_row + (e / 2) * 8, a.seqlen_q - 1),
-                min(lane_col + i * 8 + (e & 1), a.seqlen_k - 1), a.seqlen_q, a.seqlen_k);
+                mod_index<Mods>(lane_row + (e / 2) * 8, a.seqlen_q),
+                mod_index<Mods>(lane_col + i * 8 + (e & 1), a.seqlen_k), a.seqlen_q, a.seqlen_k);
 }
 
 // Keys past seqlen_k, for causal past each row's diagonal (bottom-right aligned: row r sees keys
@@ -354,8 +353,8 @@ __device__ __forceinline__ void mask_scores(float (&acc_s)[C::kBlockN / 2],
             if constexpr (C::kCausal) masked |= diag + i * 8 + (e & 1) - (e / 2) * 8 > 0;
             if constexpr (Mods::kMaskMod)
                 masked |= need_mod_mask && !mods.mask_mod(
-                    w.batch, w.head, min(lane_row + (e / 2) * 8, a.seqlen_q - 1),
-                    min(lane_col + i * 8 + (e & 1), a.seqlen_k - 1), a.seqlen_q, a.seqlen_k);
+                    w.batch, w.head, mod_index<Mods>(lane_row + (e / 2) * 8, a.seqlen_q),
+                    mod_index<Mods>(lane_col + i * 8 + (e & 1), a.seqlen_k), a.seqlen_q, a.seqlen_k);
             if (masked) acc_s[4 * i + e] = neg_inf();
         }
 }
