@@ -148,8 +148,12 @@ def _member(value, values) -> bool:
 
 # The variables each user C expression of `mods` may use (besides its args and the params).
 MOD_CONTEXTS = {
-    "score_mod": ("score", "batch", "head", "q_idx", "kv_idx", "seqlen_q", "seqlen_k"),
-    "score_mod_grad": ("score", "batch", "head", "q_idx", "kv_idx", "seqlen_q", "seqlen_k"),
+    # score = softmax_scale * qk; an expression may start from the raw dot product qk instead,
+    # so that a factor of its own folds into the scale (softcap: one multiply per score fewer).
+    "score_mod": ("score", "qk", "softmax_scale", "batch", "head", "q_idx", "kv_idx", "seqlen_q",
+                  "seqlen_k"),
+    "score_mod_grad": ("score", "qk", "softmax_scale", "batch", "head", "q_idx", "kv_idx",
+                       "seqlen_q", "seqlen_k"),
     "mask_mod": ("batch", "head", "q_idx", "kv_idx", "seqlen_q", "seqlen_k"),
     "kv_range": ("q_first", "q_last", "batch", "head", "seqlen_q", "seqlen_k"),
 }

@@ -65,6 +65,20 @@ def test_shipped_mods_clamp_indices_only_for_per_token_tensors():
         assert f"kClampIndices = {flag};" in source.text
 
 
+def test_score_mods_may_start_from_the_raw_dot_product(tmp_path):
+    """qk and softmax_scale are names of score_mod and score_mod_grad, not of mask_mod."""
+    body = """
+        name: my_attention
+        extends: flash_attn_fwd
+        mods:
+          {key}: "{expr}"
+        """
+    spec = load_spec(write(tmp_path, body.format(key="score_mod", expr="qk * (softmax_scale * 0.5f)")))
+    assert {"qk", "softmax_scale"} <= spec.mods.score_mod.names
+    with pytest.raises(SpecError, match="name 'qk' is not defined here"):
+        load_spec(write(tmp_path, body.format(key="mask_mod", expr="qk > 0.0f"), name="masked"))
+
+
 def test_unknown_name_lists_what_may_be_used(tmp_path):
     path = write(tmp_path, """
         name: my_attention

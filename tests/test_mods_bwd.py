@@ -136,8 +136,10 @@ def rendered(spec, **params) -> str:
 def test_the_backward_renders_score_mod_grad_and_the_forward_does_not():
     variant = dict(head_dim=64, dtype="bf16", causal=False)
     text = rendered(load_spec("flash_attn_softcap", onto=backward.MAIN_SPEC), **variant)
-    assert "float score_mod_grad(float score" in text and "flash_bwd_sm80<Config>(args, mods)" in text
-    assert "1.0f - tanh_approx(score * (1.0f / softcap)) * tanh_approx(score * (1.0f / softcap))" in text
+    assert "float score_mod_grad(float qk, float softmax_scale" in text
+    assert "flash_bwd_sm80<Config>(args, mods)" in text
+    assert ("(1.0f - tanh_approx(qk * (softmax_scale / softcap))) * "
+            "(1.0f + tanh_approx(qk * (softmax_scale / softcap)))") in text
     assert "score_mod_grad" not in rendered(load_spec("flash_attn_softcap"), **variant)
     text = rendered(load_spec(backward.MAIN_SPEC), **variant)
     assert "struct Mods" not in text and "kg::flash_bwd_sm80<Config>(args);" in text

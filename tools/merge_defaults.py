@@ -5,9 +5,9 @@ spec, variant, arch, bucket and GPU is replaced, others are added.
     python tools/merge_defaults.py EXPORTED.json [...]
     python tools/merge_defaults.py --rehash SPEC      after an edit of SPEC that leaves its configs'
                                                       meaning alone (a comment, the grid's launch
-                                                      order): its entries, and
-                                                      those of mods specs put onto it, take the
-                                                      spec's new content hash
+                                                      order): its entries, those of mods specs put
+                                                      onto it and, for a mods spec, those of it put
+                                                      onto each base, take the new content hash
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def main() -> None:
 
         for entry in entries.values():
             child, onto, base = entry["spec"].partition("__")
-            if entry["spec"] == name or (onto and base == name):
+            if entry["spec"] == name or (onto and name in (base, child)):
                 new = load_spec(child, onto=base if onto else None).content_hash
                 if new != entry["spec_hash"]:
                     print(f"rehashed {entry['spec']} {entry['variant']} {entry['bucket']}")

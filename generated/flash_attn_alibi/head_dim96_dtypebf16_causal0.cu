@@ -32,11 +32,15 @@ struct Mods {
         return kg::SparseRow{nullptr, nullptr, 0, 0};  // no block mask: never called
     }
 
-    __device__ __forceinline__ float score_mod(float score, int batch, int head, int q_idx,
-                                               int kv_idx, int seqlen_q, int seqlen_k) const {
+    // qk: the raw dot product q.k; the expressions see score = softmax_scale * qk, or start from
+    // qk (an unused score costs nothing: the compiler drops it).
+    __device__ __forceinline__ float score_mod(float qk, float softmax_scale, int batch, int head,
+                                               int q_idx, int kv_idx, int seqlen_q,
+                                               int seqlen_k) const {
+        [[maybe_unused]] const float score = qk * softmax_scale;
 #line 11 "specs/flash_attn_alibi.yaml"
         return (score - alibi_slopes[batch * alibi_stride_b + head] * fabsf((float)(q_idx + seqlen_k - seqlen_q - kv_idx)));
-#line 38 "flash_attn_alibi__head_dim96_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 42 "flash_attn_alibi__head_dim96_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ bool mask_mod(int batch, int head, int q_idx, int kv_idx,
                                              int seqlen_q, int seqlen_k) const {

@@ -45,15 +45,19 @@ struct Mods {
                              n_partial, n_partial + bm_full_num[row]};
     }
 
-    __device__ __forceinline__ float score_mod(float score, int batch, int head, int q_idx,
-                                               int kv_idx, int seqlen_q, int seqlen_k) const {
+    // qk: the raw dot product q.k; the expressions see score = softmax_scale * qk, or start from
+    // qk (an unused score costs nothing: the compiler drops it).
+    __device__ __forceinline__ float score_mod(float qk, float softmax_scale, int batch, int head,
+                                               int q_idx, int kv_idx, int seqlen_q,
+                                               int seqlen_k) const {
+        [[maybe_unused]] const float score = qk * softmax_scale;
         return score;
     }
     __device__ __forceinline__ bool mask_mod(int batch, int head, int q_idx, int kv_idx,
                                              int seqlen_q, int seqlen_k) const {
 #line 12 "specs/flash_attn_document.yaml"
         return (doc_q[batch * seqlen_q + q_idx] == doc_k[batch * seqlen_k + kv_idx]);
-#line 55 "flash_attn_document__head_dim96_dtypefp16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 59 "flash_attn_document__head_dim96_dtypefp16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int kv_lo(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {

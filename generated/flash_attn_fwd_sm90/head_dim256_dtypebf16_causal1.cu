@@ -109,8 +109,12 @@ struct Mods {
         return kg::SparseRow{nullptr, nullptr, 0, 0};  // no block mask: never called
     }
 
-    __device__ __forceinline__ float score_mod(float score, int batch, int head, int q_idx,
-                                               int kv_idx, int seqlen_q, int seqlen_k) const {
+    // qk: the raw dot product q.k; the expressions see score = softmax_scale * qk, or start from
+    // qk (an unused score costs nothing: the compiler drops it).
+    __device__ __forceinline__ float score_mod(float qk, float softmax_scale, int batch, int head,
+                                               int q_idx, int kv_idx, int seqlen_q,
+                                               int seqlen_k) const {
+        [[maybe_unused]] const float score = qk * softmax_scale;
         return score;
     }
     __device__ __forceinline__ bool mask_mod(int batch, int head, int q_idx, int kv_idx,

@@ -32,39 +32,43 @@ struct Mods {
         return kg::SparseRow{nullptr, nullptr, 0, 0};  // no block mask: never called
     }
 
-    __device__ __forceinline__ float score_mod(float score, int batch, int head, int q_idx,
-                                               int kv_idx, int seqlen_q, int seqlen_k) const {
+    // qk: the raw dot product q.k; the expressions see score = softmax_scale * qk, or start from
+    // qk (an unused score costs nothing: the compiler drops it).
+    __device__ __forceinline__ float score_mod(float qk, float softmax_scale, int batch, int head,
+                                               int q_idx, int kv_idx, int seqlen_q,
+                                               int seqlen_k) const {
+        [[maybe_unused]] const float score = qk * softmax_scale;
         return score;
     }
     __device__ __forceinline__ bool mask_mod(int batch, int head, int q_idx, int kv_idx,
                                              int seqlen_q, int seqlen_k) const {
 #line 13 "specs/flash_attn_window.yaml"
         return ((window_left < 0 || kv_idx >= q_idx + seqlen_k - seqlen_q - window_left) && (window_right < 0 || kv_idx <= q_idx + seqlen_k - seqlen_q + window_right));
-#line 42 "flash_attn_window__head_dim256_dtypefp16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+#line 46 "flash_attn_window__head_dim256_dtypefp16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int kv_lo(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 17 "specs/flash_attn_window.yaml"
         return (window_left < 0 ? 0 : q_first + seqlen_k - seqlen_q - window_left);
-#line 48 "flash_attn_window__head_dim256_dtypefp16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+#line 52 "flash_attn_window__head_dim256_dtypefp16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int kv_hi(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 18 "specs/flash_attn_window.yaml"
         return (window_right < 0 ? seqlen_k : q_last + seqlen_k - seqlen_q + window_right + 1);
-#line 54 "flash_attn_window__head_dim256_dtypefp16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+#line 58 "flash_attn_window__head_dim256_dtypefp16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int full_lo(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 19 "specs/flash_attn_window.yaml"
         return (window_left < 0 ? 0 : q_last + seqlen_k - seqlen_q - window_left);
-#line 60 "flash_attn_window__head_dim256_dtypefp16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+#line 64 "flash_attn_window__head_dim256_dtypefp16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int full_hi(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 20 "specs/flash_attn_window.yaml"
         return (window_right < 0 ? (1 << 30) : q_first + seqlen_k - seqlen_q + window_right + 1);
-#line 66 "flash_attn_window__head_dim256_dtypefp16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+#line 70 "flash_attn_window__head_dim256_dtypefp16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
 };
 

@@ -150,11 +150,11 @@ __device__ __forceinline__ float2 mod_prob_grad(const Mods& mods, const ModSite&
                                                 float lse2) {
     const int q_idx = min(query, at.seqlen_q - 1), kv_idx = min(key, at.seqlen_k - 1);
     if constexpr (Mods::kScoreMod) {
-        const float score = acc * at.scale;
-        const float p = exp2_approx(fmaf(mods.score_mod(score, at.batch, head, q_idx, kv_idx,
-                                                        at.seqlen_q, at.seqlen_k), kLog2e, -lse2));
-        return {p, p * dp_minus_d * mods.score_mod_grad(score, at.batch, head, q_idx, kv_idx,
-                                                        at.seqlen_q, at.seqlen_k)};
+        const float p = exp2_approx(fmaf(mods.score_mod(acc, at.scale, at.batch, head, q_idx,
+                                                        kv_idx, at.seqlen_q, at.seqlen_k),
+                                         kLog2e, -lse2));
+        return {p, p * dp_minus_d * mods.score_mod_grad(acc, at.scale, at.batch, head, q_idx,
+                                                        kv_idx, at.seqlen_q, at.seqlen_k)};
     } else {
         const float p = exp2_approx(fmaf(acc, at.scale * kLog2e, -lse2));
         return {p, p * dp_minus_d};

@@ -408,11 +408,12 @@ __device__ __forceinline__ void bwd_mod_probs_pass(float (&acc_s)[C::kBlockM / 2
                 float grad = 1.f;
                 if constexpr (Mods::kScoreMod) {
                     const int q_idx = min(query, a.seqlen_q - 1), kv_idx = min(key, a.seqlen_k - 1);
-                    const float score = acc_s[4 * i + e] * a.softmax_scale;
-                    p[c] = exp2_approx(fmaf(mods.score_mod(score, batch, head, q_idx, kv_idx,
-                                                           a.seqlen_q, a.seqlen_k), kLog2e, -lse));
-                    grad = mods.score_mod_grad(score, batch, head, q_idx, kv_idx, a.seqlen_q,
-                                               a.seqlen_k);
+                    const float qk = acc_s[4 * i + e];
+                    p[c] = exp2_approx(fmaf(mods.score_mod(qk, a.softmax_scale, batch, head, q_idx,
+                                                           kv_idx, a.seqlen_q, a.seqlen_k),
+                                            kLog2e, -lse));
+                    grad = mods.score_mod_grad(qk, a.softmax_scale, batch, head, q_idx, kv_idx,
+                                               a.seqlen_q, a.seqlen_k);
                 } else {
                     p[c] = exp2_approx(fmaf(acc_s[4 * i + e], a.softmax_scale * kLog2e, -lse));
                 }

@@ -111,7 +111,9 @@ struct NoMods {
     static constexpr bool kScoreMod = false, kMaskMod = false, kKvRange = false;
     static constexpr bool kBlockSparse = false, kClampIndices = false;
     __device__ SparseRow sparse_row(int, int, int) const { return SparseRow{nullptr, nullptr, 0, 0}; }
-    __device__ float score_mod(float s, int, int, int, int, int, int) const { return s; }
+    __device__ float score_mod(float qk, float scale, int, int, int, int, int, int) const {
+        return qk * scale;
+    }
     __device__ bool mask_mod(int, int, int, int, int, int) const { return true; }
     __device__ int kv_lo(int, int, int, int, int, int) const { return 0; }
     __device__ int kv_hi(int, int, int, int, int, int) const { return 1 << 30; }
@@ -308,7 +310,7 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdArgs<typename C::Elem>& 
                     #pragma unroll
                     for (int e = 0; e < 4; ++e)
                         acc_s[mt][nt][e] = mods.score_mod(
-                            acc_s[mt][nt][e] * a.softmax_scale, batch, head,
+                            acc_s[mt][nt][e], a.softmax_scale, batch, head,
                             min(lane_q + mt * 16 + (e / 2) * 8, a.seqlen_q - 1),
                             min(lane_kv + nt * 8 + (e & 1), a.seqlen_k - 1), a.seqlen_q, a.seqlen_k);
         }

@@ -317,7 +317,7 @@ __device__ __forceinline__ void modify_scores(float (&acc_s)[C::kBlockN / 2],
         #pragma unroll
         for (int e = 0; e < 4; ++e)
             acc_s[4 * i + e] = mods.score_mod(
-                acc_s[4 * i + e] * a.softmax_scale, w.batch, w.head,
+                acc_s[4 * i + e], a.softmax_scale, w.batch, w.head,
                 mod_index<Mods>(lane_row + (e / 2) * 8, a.seqlen_q),
                 mod_index<Mods>(lane_col + i * 8 + (e & 1), a.seqlen_k), a.seqlen_q, a.seqlen_k);
 }
