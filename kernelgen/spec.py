@@ -189,6 +189,10 @@ class Mods:
     # and evaluates mask_mod only in the partially visible ones; its list arguments
     # (BLOCK_SPARSE_ARGS) follow `args` in the spec's args.
     block_sparse: bool = False
+    # kv_range.exact: for a single row (q_first = q_last = i) [lo, hi) is exactly the keys
+    # mask_mod shows row i, so the Hopper forward masks partially visible tiles with two
+    # compares per score against each row's bounds instead of evaluating mask_mod.
+    exact_range: bool = False
 
     @property
     def any(self) -> bool:
@@ -604,10 +608,16 @@ def _mods(value, text: bytes, at: _At, names: _Names, params) -> Mods:
     found = {k: check(k, body[k], k) for k in ("score_mod", "score_mod_grad", "mask_mod") if k in body}
     if "score_mod_grad" in found and "score_mod" not in found:
         raise at["score_mod_grad"].error("a derivative without a score_mod")
-    kv_range = None
+    kv_range, exact = None, False
     if "kv_range" in body:
-        bounds = _keys(body["kv_range"], at["kv_range"], KV_RANGE_KEYS)
+        bounds = _keys(body["kv_range"], at["kv_range"], KV_RANGE_KEYS, ("exact",))
         kv_range = tuple(check("kv_range", bounds[k], "kv_range", k) for k in KV_RANGE_KEYS)
+        exact = bounds.get("exact", False)
+        if not isinstance(exact, bool):
+            raise at["kv_range"]["exact"].error(f"expected true or false, got {_kind(exact)}")
+        if exact and "mask_mod" not in found:
+            raise at["kv_range"]["exact"].error("an exact range stands for a mask_mod; this spec "
+                                                "has none")
     block_sparse = body.get("block_sparse", False)
     if not isinstance(block_sparse, bool):
         raise at["block_sparse"].error(f"expected true or false, got {_kind(block_sparse)}")
@@ -618,7 +628,7 @@ def _mods(value, text: bytes, at: _At, names: _Names, params) -> Mods:
         for arg in BLOCK_SPARSE_ARGS:
             names.define(arg.name, at["block_sparse"])
     return Mods(found.get("score_mod"), found.get("score_mod_grad"), found.get("mask_mod"),
-                kv_range, args, block_sparse)
+                kv_range, args, block_sparse, exact)
 
 
 def _derived(value, at: _At, names: _Names) -> tuple[tuple[str, Expr], ...]:

@@ -79,6 +79,42 @@ def test_score_mods_may_start_from_the_raw_dot_product(tmp_path):
         load_spec(write(tmp_path, body.format(key="mask_mod", expr="qk > 0.0f"), name="masked"))
 
 
+@pytest.mark.parametrize("extra, match", [
+    ("exact: yes please", "kv_range.exact: expected true or false"),
+    ("exactly: true", "kv_range.exactly: unknown key"),
+])
+def test_kv_range_exact_is_checked(tmp_path, extra, match):
+    path = write(tmp_path, f"""
+        name: my_attention
+        extends: flash_attn_fwd
+        mods:
+          kv_range:
+            lo: "0"
+            hi: "q_last + 1"
+            full_lo: "0"
+            full_hi: "q_first + 1"
+            {extra}
+        """)
+    with pytest.raises(SpecError, match=match):
+        load_spec(path)
+
+
+def test_an_exact_range_needs_a_mask_mod_and_reaches_the_kernel(tmp_path):
+    path = write(tmp_path, """
+        name: my_attention
+        extends: flash_attn_fwd
+        mods:
+          kv_range: {lo: "0", hi: "q_last + 1", full_lo: "0", full_hi: "q_first + 1", exact: true}
+        """)
+    with pytest.raises(SpecError, match="an exact range stands for a mask_mod"):
+        load_spec(path)
+    window = load_spec("flash_attn_window", onto="flash_attn_fwd_sm90")
+    assert window.mods.exact_range
+    variant = window.variant("sm_90a", head_dim=64, dtype="bf16", causal=True)
+    assert "kExactRange = true;" in render.render(window, variant,
+                                                  window.default_config(variant)).text
+
+
 def test_unknown_name_lists_what_may_be_used(tmp_path):
     path = write(tmp_path, """
         name: my_attention

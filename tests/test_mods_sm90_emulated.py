@@ -67,8 +67,12 @@ def window_mask(left, right, seqlen_q, seqlen_k):
     ((5, 3), True, (1, 260, 100, 1, 1), config(schedule=1, persistent=0), True),
     ((-1, 16), False, (1, 140, 270, 2, 1), config(128, 64, schedule=0, persistent=1), False),
     ((0, 0), False, (1, 300, 130, 2, 2), config(persistent=2), True),
+    # No right bound: the exact range's top is the sequence end (and the diagonal, causal).
+    ((24, -1), False, (1, 200, 330, 2, 1), config(persistent=1), False),
+    ((24, -1), True, (1, 200, 330, 2, 1), config(persistent=2), False),
 ], ids=["40-30-persistent", "70-0-causal", "0-0-empty-persistent", "5-3-causal-empty",
-        "left-unbounded-schedule0", "0-0-empty-dynamic"])
+        "left-unbounded-schedule0", "0-0-empty-dynamic", "right-unbounded",
+        "right-unbounded-causal-dynamic"])
 def test_sliding_window(window, causal, shape, cfg, empty_rows):
     batch, seqlen_q, seqlen_k, heads, heads_k = shape
     left, right = window

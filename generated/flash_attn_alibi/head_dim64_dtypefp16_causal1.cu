@@ -25,6 +25,7 @@ struct Mods {
     static constexpr bool kScoreMod = true;
     static constexpr bool kMaskMod = false;
     static constexpr bool kKvRange = false;
+    static constexpr bool kExactRange = false;
     static constexpr bool kBlockSparse = false;
     // Whether score_mod / mask_mod read memory at a per-token index (kg::mod_index).
     static constexpr bool kClampIndices = false;
@@ -40,7 +41,7 @@ struct Mods {
         [[maybe_unused]] const float score = qk * softmax_scale;
 #line 11 "specs/flash_attn_alibi.yaml"
         return (score - alibi_slopes[batch * alibi_stride_b + head] * fabsf((float)(q_idx + seqlen_k - seqlen_q - kv_idx)));
-#line 42 "flash_attn_alibi__head_dim64_dtypefp16_causal1__sm_80__block_m64_block_n64_warps4_stages2_grid_order0.cu"
+#line 43 "flash_attn_alibi__head_dim64_dtypefp16_causal1__sm_80__block_m64_block_n64_warps4_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ bool mask_mod(int batch, int head, int q_idx, int kv_idx,
                                              int seqlen_q, int seqlen_k) const {

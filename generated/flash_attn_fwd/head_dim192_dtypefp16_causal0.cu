@@ -23,6 +23,7 @@ struct Mods {
     static constexpr bool kScoreMod = false;
     static constexpr bool kMaskMod = false;
     static constexpr bool kKvRange = false;
+    static constexpr bool kExactRange = false;
     static constexpr bool kBlockSparse = false;
     // Whether score_mod / mask_mod read memory at a per-token index (kg::mod_index).
     static constexpr bool kClampIndices = false;

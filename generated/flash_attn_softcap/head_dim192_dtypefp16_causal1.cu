@@ -24,6 +24,7 @@ struct Mods {
     static constexpr bool kScoreMod = true;
     static constexpr bool kMaskMod = false;
     static constexpr bool kKvRange = false;
+    static constexpr bool kExactRange = false;
     static constexpr bool kBlockSparse = false;
     // Whether score_mod / mask_mod read memory at a per-token index (kg::mod_index).
     static constexpr bool kClampIndices = false;
@@ -39,7 +40,7 @@ struct Mods {
         [[maybe_unused]] const float score = qk * softmax_scale;
 #line 12 "specs/flash_attn_softcap.yaml"
         return (softcap * tanh_approx(qk * (softmax_scale / softcap)));
-#line 41 "flash_attn_softcap__head_dim192_dtypefp16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+#line 42 "flash_attn_softcap__head_dim192_dtypefp16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ bool mask_mod(int batch, int head, int q_idx, int kv_idx,
                                              int seqlen_q, int seqlen_k) const {

@@ -342,6 +342,28 @@ __device__ __forceinline__ void mask_scores(float (&acc_s)[C::kBlockN / 2],
         need_mod_mask = col0 < full.lo || col0 + C::kBlockN > full.hi;
     if (!need_mask && !need_mod_mask) return;
     const int lane_col = col0 + 2 * (threadIdx.x % 4);
+    if constexpr (Mods::kMaskMod && Mods::kExactRange) {
+        // kv_range.exact: a row's range is exactly the keys it sees. With the sequence end and
+        // the causal diagonal folded into each row's bounds (as offsets from the lane's first
+        // key), a score is two compares against immediates, not the mask_mod's expression.
+        int lo[2], hi[2];
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = lane_row + 8 * h;
+            int top = min(mods.kv_hi(row, row, w.batch, w.head, a.seqlen_q, a.seqlen_k), a.seqlen_k);
+            if constexpr (C::kCausal) top = min(top, row + a.seqlen_k - a.seqlen_q + 1);
+            lo[h] = mods.kv_lo(row, row, w.batch, w.head, a.seqlen_q, a.seqlen_k) - lane_col;
+            hi[h] = top - lane_col;
+        }
+        #pragma unroll
+        for (int i = 0; i < C::kBlockN / 8; ++i)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = i * 8 + (e & 1);
+                if (key < lo[e / 2] || key >= hi[e / 2]) acc_s[4 * i + e] = neg_inf();
+            }
+        return;
+    }
     const int tail = a.seqlen_k - lane_col;  // element (i, e) is past the end if >= tail
     // col - row - (sk - sq) of element (i, e) is diag + i*8 + (e&1) - (e/2)*8
     const int diag = lane_col - lane_row - (a.seqlen_k - a.seqlen_q);
