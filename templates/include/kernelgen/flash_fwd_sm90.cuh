@@ -306,7 +306,7 @@ __device__ __forceinline__ FullRange full_range(const FwdArgs<typename C::Elem>&
 
 // Element (i, e) of this thread's S accumulators: row lane_row + (e / 2) * 8, key
 // col0 + 2 * (lane % 4) + 8 * i + (e & 1) (wgmma.cuh). A score_mod rewrites every scaled score,
-// the indices clamped into the sequences where it reads a tensor (mod_index).
+// the indices clamped into the sequences where it may read memory at them (mod_index).
 template <class C, class Mods>
 __device__ __forceinline__ void modify_scores(float (&acc_s)[C::kBlockN / 2],
                                               const FwdArgs<typename C::Elem>& a, const Mods& mods,
