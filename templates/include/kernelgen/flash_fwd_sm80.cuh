@@ -121,19 +121,6 @@ struct NoMods {
     __device__ int full_hi(int, int, int, int, int, int) const { return 1 << 30; }
 };
 
-// The query or key index `idx` (of a sequence of `seqlen`) that the Hopper forward passes a
-// mod: clamped into the sequence when the mod reads memory at a per-token index
-// (Mods.clamps_indices), so that the padding rows and columns of a tile read in bounds (their
-// results are masked or never stored); else as it is, which saves a min per index and score
-// (ALiBi's forward: 3440 -> 3040 instructions). The backwards always clamp: their padding rows'
-// probabilities meet dO's zero rows, where a NaN that a mod makes out of range would spread into
-// dK and dV. So does this file's forward (see there).
-template <class Mods>
-__device__ __forceinline__ int mod_index(int idx, int seqlen) {
-    if constexpr (Mods::kClampIndices) return min(idx, seqlen - 1);
-    else return idx;
-}
-
 // The KV blocks of BLOCK_N keys that the query rows [row0, row0 + q_rows) of (batch, head) see:
 // [n_first, n_first + n_blocks). The one place every kernel that walks a query tile's keys (this
 // forward, the Hopper one, the backward's dQ kernel) decides them. Causal is aligned bottom-right
@@ -302,7 +289,8 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdArgs<typename C::Elem>& 
             const int lane_q = row0 + warp_row + lane / 4, lane_kv = col0 + 2 * (lane % 4);
             // Indices are clamped so a mod that reads per-token tensors stays in bounds on the
             // padding rows and columns (those are masked or never stored): always here, not as
-            // mod_index does (unclamped, the window's head_dim 64 default spills 8 bytes).
+            // the Hopper forward's mod_index does (unclamped, the window's head_dim 64 default
+            // spills 8 bytes).
             #pragma unroll
             for (int mt = 0; mt < C::kMTiles; ++mt)
                 #pragma unroll
