@@ -138,12 +138,7 @@ def test_sm80_forward_with_block_mask(causal, shape, config):
     (True, {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 1, "persistent": 0}),
     (True, {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2, "persistent": 2,
             "q_buffers": 2}),
-    (True, {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 1, "persistent": 2,
-            "q_buffers": 2, "chain": 1}),
-    (False, {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2, "persistent": 1,
-             "q_buffers": 2, "chain": 1}),
-], ids=["full-pingpong-persistent", "causal-overlap", "causal-pingpong-dynamic",
-        "causal-overlap-dynamic-chain", "full-pingpong-chain"])
+], ids=["full-pingpong-persistent", "causal-overlap", "causal-pingpong-dynamic"])
 def test_sm90_forward_with_block_mask(causal, cfg):
     batch, seqlen_q, seqlen_k, heads = 2, 230, 310, 2
     q, k, v = qkv(batch, seqlen_q, seqlen_k, heads, heads, 64, seed=5)

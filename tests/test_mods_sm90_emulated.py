@@ -25,11 +25,9 @@ def onto(name):
     return load_spec(name, onto=BASE)
 
 
-def config(block_m=128, block_n=64, schedule=2, persistent=0, stages=2, chain=0):
-    """A config of the base's keys; chain 1 comes with the second Q buffer it needs."""
-    extra = {"q_buffers": 2, "chain": 1} if chain else {}
+def config(block_m=128, block_n=64, schedule=2, persistent=0, stages=2):
     return {"block_m": block_m, "block_n": block_n, "stages": stages, "schedule": schedule,
-            "persistent": persistent, **extra}
+            "persistent": persistent}
 
 
 def qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype=torch.bfloat16, scale=1.0):
@@ -43,9 +41,7 @@ def qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype=torch.bfloat1
     (128, torch.bfloat16, True, (1, 200, 333, 4, 2), config(persistent=0)),
     (64, torch.float16, False, (2, 250, 200, 2, 1), config(192, 96, persistent=1)),  # 3 consumers
     (96, torch.bfloat16, False, (1, 130, 300, 2, 2), config(128, 128, schedule=0, persistent=1)),
-    (128, torch.bfloat16, True, (1, 300, 333, 2, 2), config(persistent=1, chain=1)),
-], ids=["hd128-causal-gqa", "hd64-fp16-3wg-persistent", "hd96-plain-schedule-persistent",
-        "hd128-causal-chain"])
+], ids=["hd128-causal-gqa", "hd64-fp16-3wg-persistent", "hd96-plain-schedule-persistent"])
 def test_softcap(head_dim, dtype, causal, shape, cfg):
     batch, seqlen_q, seqlen_k, heads, heads_k = shape
     q, k, v = qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, scale=3.0)
@@ -74,11 +70,9 @@ def window_mask(left, right, seqlen_q, seqlen_k):
     # No right bound: the exact range's top is the sequence end (and the diagonal, causal).
     ((24, -1), False, (1, 200, 330, 2, 1), config(persistent=1), False),
     ((24, -1), True, (1, 200, 330, 2, 1), config(persistent=2), False),
-    ((70, 0), True, (1, 300, 430, 2, 2), config(persistent=2, chain=1), False),
-    ((5, 3), True, (1, 260, 100, 1, 1), config(schedule=1, persistent=1, chain=1), True),
 ], ids=["40-30-persistent", "70-0-causal", "0-0-empty-persistent", "5-3-causal-empty",
         "left-unbounded-schedule0", "0-0-empty-dynamic", "right-unbounded",
-        "right-unbounded-causal-dynamic", "70-0-causal-dynamic-chain", "5-3-causal-empty-chain"])
+        "right-unbounded-causal-dynamic"])
 def test_sliding_window(window, causal, shape, cfg, empty_rows):
     batch, seqlen_q, seqlen_k, heads, heads_k = shape
     left, right = window

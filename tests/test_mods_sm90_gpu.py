@@ -18,7 +18,6 @@ pytestmark = [pytest.mark.gpu,
 
 PERSISTENT = {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 1}
 DYNAMIC = {**PERSISTENT, "persistent": 2, "q_buffers": 2}   # tiles claimed from a counter
-CHAINED = {**DYNAMIC, "chain": 1}   # a tile's last P V issued with the next tile's first S
 
 
 def run(spec, q, k, v, causal, values, config=None):
@@ -28,14 +27,11 @@ def run(spec, q, k, v, causal, values, config=None):
     return forward_sm90(spec, q, k, v, params, q.shape[-1] ** -0.5, values, config=config)
 
 
-@pytest.mark.parametrize("config", [None, PERSISTENT, DYNAMIC, CHAINED],
-                         ids=["default", "persistent", "dynamic", "chained"])
+@pytest.mark.parametrize("config", [None, PERSISTENT, DYNAMIC], ids=["default", "persistent", "dynamic"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_softcap(head_dim, causal, config):
     torch.manual_seed(head_dim)
-    if config is CHAINED and head_dim == 256:
-        pytest.skip("head_dim 256 has no room for the second Q buffer chaining needs")
     if config is not None and head_dim == 256:
         # fits head_dim 256's registers (and, with one Q buffer, its shared memory)
         config = {**config, "block_n": 64, "schedule": 1, "q_buffers": 1}
@@ -46,8 +42,7 @@ def test_softcap(head_dim, causal, config):
         check(got, q, k, v, causal, score_mod=lambda s, *_: 5.0 * torch.tanh(s / 5.0))
 
 
-@pytest.mark.parametrize("config", [None, PERSISTENT, DYNAMIC, CHAINED],
-                         ids=["default", "persistent", "dynamic", "chained"])
+@pytest.mark.parametrize("config", [None, PERSISTENT, DYNAMIC], ids=["default", "persistent", "dynamic"])
 @pytest.mark.parametrize("window", [(16, 0), (64, 64), (-1, 32), (100, -1), (0, 0)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sliding_window(window, causal, config):
@@ -63,8 +58,7 @@ def test_sliding_window(window, causal, config):
         check(got, q, k, v, causal, mask_mod=visible)
 
 
-@pytest.mark.parametrize("config", [None, PERSISTENT, DYNAMIC, CHAINED],
-                         ids=["default", "persistent", "dynamic", "chained"])
+@pytest.mark.parametrize("config", [None, PERSISTENT, DYNAMIC], ids=["default", "persistent", "dynamic"])
 @pytest.mark.parametrize("per_batch", [False, True])
 def test_alibi(per_batch, config):
     torch.manual_seed(per_batch)
@@ -80,8 +74,7 @@ def test_alibi(per_batch, config):
                   score_mod=lambda s, bb, hh, i, j: s - s4 * (i + sk - sq - j).abs().float())
 
 
-@pytest.mark.parametrize("config", [None, PERSISTENT, DYNAMIC, CHAINED],
-                         ids=["default", "persistent", "dynamic", "chained"])
+@pytest.mark.parametrize("config", [None, PERSISTENT, DYNAMIC], ids=["default", "persistent", "dynamic"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_document_mask(causal, config):
     torch.manual_seed(3)
@@ -95,8 +88,7 @@ def test_document_mask(causal, config):
     check(got, q, k, v, causal, mask_mod=lambda *_: same)
 
 
-@pytest.mark.parametrize("config", [None, PERSISTENT, DYNAMIC, CHAINED],
-                         ids=["default", "persistent", "dynamic", "chained"])
+@pytest.mark.parametrize("config", [None, PERSISTENT, DYNAMIC], ids=["default", "persistent", "dynamic"])
 def test_tutorial_prefix_lm(config):
     spec = str(REPO_ROOT / "examples" / "prefix_lm.yaml")
     torch.manual_seed(5)

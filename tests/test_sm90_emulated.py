@@ -156,28 +156,6 @@ CASES = [
      {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 2}, False),
     (96, torch.bfloat16, True, (1, 600, 130, 2, 2),    # three consumers
      {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 2}, True),
-    # Chained tiles (chain 1): a tile's last P V goes out with the next tile's first QK^T, and
-    # its epilogue follows; the producer's warps 1..3 write the tiles that see no key. Tiles of
-    # many blocks, of one block (the store's buffer then goes back at the next tile's start),
-    # empty tiles between and before the others, static and dynamic, two and three consumers.
-    (128, torch.bfloat16, False, (2, 300, 450, 2, 1),
-     {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 2,
-      "chain": 1}, True),
-    (64, torch.float16, False, (2, 290, 100, 2, 2),    # every tile one block
-     {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 1, "q_buffers": 2,
-      "chain": 1}, False),
-    (128, torch.bfloat16, True, (1, 600, 130, 2, 1),   # empty tiles first, then one-block tiles
-     {"block_m": 128, "block_n": 64, "stages": 3, "schedule": 2, "persistent": 1, "q_buffers": 2,
-      "chain": 1}, True),
-    (128, torch.float16, True, (2, 300, 430, 2, 1),
-     {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 2,
-      "chain": 1}, False),
-    (96, torch.bfloat16, True, (1, 600, 130, 2, 2),    # dynamic with empty tiles
-     {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 1, "persistent": 2, "q_buffers": 2,
-      "chain": 1}, True),
-    (64, torch.bfloat16, True, (1, 250, 400, 3, 1),    # three consumers
-     {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 2,
-      "chain": 1}, False),
 ]
 
 
@@ -192,9 +170,8 @@ def test_forward(head_dim, dtype, causal, shape, config, lazy):
     check(q, k, v, causal, config=config, seed=seqlen_k, lazy=lazy)
 
 
-@pytest.mark.parametrize("q_buffers, persistent, chain", [(1, 1, 0), (2, 1, 0), (2, 2, 0),
-                                                      (2, 1, 1)])
-def test_persistent_causal_sections(q_buffers, persistent, chain):
+@pytest.mark.parametrize("q_buffers, persistent", [(1, 1), (2, 1), (2, 2)])
+def test_persistent_causal_sections(q_buffers, persistent):
     """The persistent causal schedule in sections of pairs (TileSchedule), each longest first,
     across 3 emulated CTAs: a budget of one K/V head's bytes with GQA 2 makes 6 sections of 2
     pairs; of two K/V heads' bytes without GQA, 5 pairs in sections of 2, 2 and a short one of 1."""
@@ -203,8 +180,7 @@ def test_persistent_causal_sections(q_buffers, persistent, chain):
         q = make(batch, 300, heads, 64)
         k, v = (make(batch, 270, heads_k, 64) for _ in range(2))
         check(q, k, v, True, config={"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2,
-                                     "persistent": persistent, "q_buffers": q_buffers,
-                                     "chain": chain},
+                                     "persistent": persistent, "q_buffers": q_buffers},
               seed=heads, lazy=q_buffers == 2, l2_bytes=budget_heads * 4 * 270 * 64)
 
 
@@ -231,13 +207,11 @@ def test_tma_store_leaves_rows_past_seqlen_alone():
     assert big[:, 150:].isnan().all(), "a padding row reached memory past seqlen_q"
 
 
-@pytest.mark.parametrize("window, shape, lazy, chain", [
-    ((40, 30), (2, 300, 400, 2, 1), True, 0),    # blocks left and right of the window skipped
-    ((0, 0), (1, 600, 130, 2, 2), False, 0),     # seqlen_q > seqlen_k: tiles with no block between
-    ((40, 30), (2, 300, 400, 2, 1), False, 1),
-    ((0, 0), (1, 600, 130, 2, 2), True, 1),
-], ids=["40-30", "0-0-empty-tiles", "40-30-chain", "0-0-empty-tiles-chain"])
-def test_q_buffers_with_a_kv_range(window, shape, lazy, chain):
+@pytest.mark.parametrize("window, shape, lazy", [
+    ((40, 30), (2, 300, 400, 2, 1), True),    # blocks left and right of the window skipped
+    ((0, 0), (1, 600, 130, 2, 2), False),     # seqlen_q > seqlen_k: tiles with no block between
+], ids=["40-30", "0-0-empty-tiles"])
+def test_q_buffers_with_a_kv_range(window, shape, lazy):
     """q_buffers 2 under a mods spec's kv_range (the window): tiles with no block are skipped by
     producer and consumers alike, so the Q buffers still alternate over the tiles with work."""
     batch, seqlen_q, seqlen_k, heads, heads_k = shape
@@ -251,7 +225,7 @@ def test_q_buffers_with_a_kv_range(window, shape, lazy, chain):
         return (j >= i + shift - left) & (j <= i + shift + right)
 
     config = {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2, "persistent": 1,
-              "q_buffers": 2, "chain": chain}
+              "q_buffers": 2}
     check(q, k, v, False, config=config, seed=left, lazy=lazy,
           spec=load_spec("flash_attn_window", onto="flash_attn_fwd_sm90"),
           mod_args={"window_left": left, "window_right": right}, mask_mod=visible)

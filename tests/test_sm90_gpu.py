@@ -88,13 +88,6 @@ CONFIGS = [
     (64, {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 2}),
     (96, {"block_m": 128, "block_n": 128, "stages": 3, "schedule": 0, "persistent": 2}),
     (256, {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 1, "persistent": 2}),
-    # Chained tiles (chain 1): static and dynamic, both overlapped schedules, 2 and 3 consumers,
-    # 64B swizzle; the causal 1000 x 17 case has empty tiles, which the producer's warps write.
-    (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 2, "chain": 1}),
-    (128, {"block_m": 128, "block_n": 160, "stages": 2, "schedule": 1, "persistent": 2, "q_buffers": 2, "chain": 1}),
-    (64, {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 2, "chain": 1}),
-    (96, {"block_m": 128, "block_n": 128, "stages": 3, "schedule": 1, "persistent": 1, "q_buffers": 2, "chain": 1}),
-    (192, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 1, "persistent": 2, "q_buffers": 2, "chain": 1}),
 ]
 
 

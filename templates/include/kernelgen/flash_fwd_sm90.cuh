@@ -57,7 +57,7 @@ namespace kg {
 // SCHEDULE 0: plain (QK^T, softmax, PV in turn); 1: intra-warpgroup overlap; 2: overlap plus
 // pingpong between the consumer warpgroups (see sm90_consume).
 template <class Elem_, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool CAUSAL,
-          int SCHEDULE, int PERSISTENT, int Q_BUFFERS, int CHAIN, class QkGemm_, class PvGemm_>
+          int SCHEDULE, int PERSISTENT, int Q_BUFFERS, class QkGemm_, class PvGemm_>
 struct Sm90Config {
     using Elem = Elem_;
     using QkGemm = QkGemm_;
@@ -71,14 +71,11 @@ struct Sm90Config {
     static constexpr bool kDynamic = PERSISTENT == 2;    // ... claimed from a counter (TileQueue)
     static constexpr int kQBuffers = Q_BUFFERS;        // Q tiles used in turn by successive tiles
     static constexpr bool kTmaStore = Q_BUFFERS == 2;  // O stored from its Q buffer by TMA
-    static constexpr bool kChain = CHAIN == 1;  // a tile's last P V issued with the next's first S
     static constexpr int kConsumers = BLOCK_M / 64;          // one warpgroup per 64 query rows
     static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
     // Per-thread register budgets after setmaxnreg (FA3's: 24/240 for 2 consumers, 32/160 for 3).
-    // Chained, the producer's warps 1..3 write the tiles that see no key (write_empty_tile),
-    // which takes more than 24 registers: 40, and the consumers give up 8.
-    static constexpr int kProducerRegs = kConsumers == 2 ? (kChain ? 40 : 24) : 32;
-    static constexpr int kConsumerRegs = kConsumers == 2 ? (kChain ? 232 : 240) : 160;
+    static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
+    static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
     static constexpr int kSwizzle = HEAD_DIM % 64 == 0 ? 128 : 64;  // bytes per panel row
     static constexpr int kPanel = kSwizzle / 2;                     // head_dim columns per panel
     static constexpr int kPanels = HEAD_DIM / kPanel;
@@ -102,8 +99,6 @@ struct Sm90Config {
     static_assert(PERSISTENT >= 0 && PERSISTENT <= 2, "a CTA per tile, static or dynamic loop");
     static_assert(Q_BUFFERS == 1 || (Q_BUFFERS == 2 && PERSISTENT),
                   "a second Q buffer serves the next tile of a persistent CTA");
-    static_assert(CHAIN == 0 || (CHAIN == 1 && Q_BUFFERS == 2 && SCHEDULE > 0),
-                  "a chained tile's epilogue runs while the next tile computes in the other Q buffer");
 };
 
 template <class C>
@@ -452,62 +447,6 @@ __device__ __forceinline__ void pack_p(u32 (&p)[C::kBlockN / 16][4],
                 pack2<typename C::Elem>(acc_s[4 * i + 2 * h], acc_s[4 * i + 2 * h + 1]);
 }
 
-// Before a P V issue: O (accumulated in place) and P (read from registers while the group runs).
-template <class C>
-__device__ __forceinline__ void fence_pv_operands(float (&acc_o)[C::kHeadDim / 2],
-                                                  u32 (&p)[C::kBlockN / 16][4]) {
-    fence_operands(acc_o);
-    #pragma unroll
-    for (int kk = 0; kk < C::kBlockN / 16; ++kk) fence_operands(p[kk]);
-}
-
-// The epilogue of one consumer warpgroup's rows: O /= l, LSE = (m*c + log2 l) * ln2; rows with
-// l == 0 saw no key: O = 0, LSE = -inf. O is staged in the warpgroup's own rows of its Q tile
-// (q_tile), which every warp of it is done reading once the named barrier opens (past its last
-// QK^T). lse: the tile's first row of LSE.
-template <class C>
-__device__ __forceinline__ void stage_o(const float (&acc_o)[C::kHeadDim / 2],
-                                        const float (&row_max)[2], const float (&row_sum)[2],
-                                        float scale_log2, unsigned char* q_tile, float* lse,
-                                        int q_rows, int wg) {
-    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-    named_barrier_sync(1 + wg, 128);
-    #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float l = row_sum[h];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const bool empty = !(l > 0.f);
-        const float inv = empty ? 0.f : 1.f / l;
-        const int r = wg * 64 + warp * 16 + lane / 4 + 8 * h;  // row inside the tile
-        if (lane % 4 == 0 && r < q_rows)
-            lse[r] = empty ? neg_inf() : (row_max[h] * scale_log2 + log2_approx(l)) * kLn2;
-        #pragma unroll
-        for (int i = 0; i < C::kHeadDim / 8; ++i)
-            *reinterpret_cast<u32*>(q_tile + panel_offset<C>(C::kBlockM, r, i * 8 + 2 * (lane % 4))) =
-                pack2<typename C::Elem>(acc_o[4 * i + 2 * h] * inv, acc_o[4 * i + 2 * h + 1] * inv);
-    }
-}
-
-// kTmaStore: the warpgroup's storing thread stores its 64 staged rows of the Q tile at q_tile
-// (shared address) by TMA. The TMA reads what the generic proxy wrote: fence, then every
-// thread's O is in place. Rows past seqlen_q fall outside the map and are not written. The
-// caller hands the buffer back once the store has read it (bulk_wait_group_read).
-template <class C>
-__device__ __forceinline__ void store_o(const TensorMap& map_o, u32 q_tile, const TileWork& w,
-                                        int wg) {
-    fence_proxy_async_shared();
-    named_barrier_sync(1 + wg, 128);
-    if (threadIdx.x % 128 == 0) {
-        const u32 rows = q_tile + wg * 64 * C::kSwizzle;
-        #pragma unroll
-        for (int panel = 0; panel < C::kPanels; ++panel)
-            tma_store_5d(map_o, rows + panel * C::kBlockM * C::kSwizzle, 0, w.row0 + wg * 64,
-                         panel, w.head, w.batch);
-        bulk_commit_group();
-    }
-}
-
 // Pingpong: consumer warpgroups take turns issuing their GEMMs, so one runs softmax while another's
 // GEMMs occupy the tensor cores. Warpgroup w waits on barrier kSchedBarrier + w (its 128 threads
 // and the 128 of the previous warpgroup's arrive) before it issues and hands the turn on after.
@@ -530,105 +469,6 @@ struct IssueTurns {
     }
 };
 
-// What one consumer warpgroup's steps on one tile share: the tile, its ring positions (its i-th
-// KV block is the ring's it0 + i-th: stage and full-barrier parity), the operands' descriptors
-// (of each one's first k16 step; steps and stages add their byte offset >> 4) and the rows.
-template <class C, class Mods>
-struct TileSteps {
-    const FwdArgs<typename C::Elem>& a;
-    const Mods& mods;
-    const TileWork& w;
-    Sm90Barriers<C> bar;
-    int it0, wg, wg_row0, lane_row;  // lane_row: this thread's rows are lane_row and lane_row + 8
-    u64 desc_q, desc_k, desc_v;
-    FullRange full;
-    float scale_log2;
-
-    __device__ __forceinline__ TileSteps(const FwdArgs<typename C::Elem>& a_, const Mods& mods_,
-                                         const TileWork& w_, Sm90Barriers<C> bar_, u32 smem_u32,
-                                         int it0_, int wg_, int slot)
-        : a(a_), mods(mods_), w(w_), bar(bar_), it0(it0_), wg(wg_), wg_row0(w_.row0 + wg_ * 64),
-          lane_row(w_.row0 + wg_ * 64 + ((threadIdx.x / 32) % 4) * 16 + (threadIdx.x % 32) / 4),
-          desc_q(desc_k_major<C::kSwizzle>(smem_u32 + slot * C::kTileQ + wg_ * 64 * C::kSwizzle)),
-          desc_k(desc_k_major<C::kSwizzle>(smem_u32 + C::kOffK)),
-          desc_v(desc_mn_major<C::kSwizzle>(smem_u32 + C::kOffV, C::kBlockN * C::kSwizzle)),
-          full{0, 1 << 30},
-          // With a score_mod the scale is applied before it (the mod sees scaled scores), and
-          // the softmax then works on the modified scores in log2 units.
-          scale_log2(Mods::kScoreMod ? kLog2e : a_.softmax_scale * kLog2e) {
-        if constexpr (Mods::kMaskMod && Mods::kKvRange && !Mods::kBlockSparse)
-            full = full_range<C>(a, mods, w, wg_row0);
-    }
-    __device__ __forceinline__ int stage(int i) const { return (it0 + i) % C::kStages; }
-    __device__ __forceinline__ u32 parity(int i) const { return u32((it0 + i) / C::kStages) & 1; }
-    __device__ __forceinline__ u64 at_stage(u64 desc, int i) const {
-        return desc + ((stage(i) * C::kTileKV) >> 4);
-    }
-    __device__ __forceinline__ void wait_k(int i) const { mbarrier_wait(bar.full_k(stage(i)), parity(i)); }
-    __device__ __forceinline__ void wait_v(int i) const { mbarrier_wait(bar.full_v(stage(i)), parity(i)); }
-    __device__ __forceinline__ void qk(float (&acc_s)[C::kBlockN / 2], int i) const {
-        issue_qk<C>(acc_s, desc_q, at_stage(desc_k, i));
-    }
-    __device__ __forceinline__ void pv(float (&acc_o)[C::kHeadDim / 2],
-                                       const u32 (&p)[C::kBlockN / 16][4], int i) const {
-        issue_pv<C>(acc_o, p, at_stage(desc_v, i));
-    }
-    // S of block i is done: its K slot is free; then the score_mod and the masks.
-    __device__ __forceinline__ void finish_qk(float (&acc_s)[C::kBlockN / 2], int i) const {
-        fence_operands(acc_s);
-        if (threadIdx.x % 32 == 0) mbarrier_arrive(bar.empty_k(stage(i)));
-        const int col0 = w.col0(i, C::kBlockN);
-        if constexpr (Mods::kScoreMod) modify_scores<C>(acc_s, a, mods, w, col0, lane_row);
-        mask_scores<C>(acc_s, a, mods, w, full, col0, wg_row0, lane_row, i);
-    }
-    // O += P V of block i is done: its V slot is free.
-    __device__ __forceinline__ void finish_pv(float (&acc_o)[C::kHeadDim / 2], int i) const {
-        fence_operands(acc_o);
-        if (threadIdx.x % 32 == 0) mbarrier_arrive(bar.empty_v(stage(i)));
-    }
-    // Block i >= 1 of the overlapped schedules: S of block i and O += P V of block i - 1 are in
-    // flight together; softmax of block i runs while the P V group still occupies the tensor
-    // cores. (FA3 rescales O in the S group's shadow, after its issue: measured no faster here,
-    // and a 4-byte spill in the document spec's hd256 causal variant; PERF_NOTES §16.)
-    __device__ __forceinline__ void overlapped_block(
-        int i, IssueTurns<C> turns, float (&acc_s)[C::kBlockN / 2], float (&acc_o)[C::kHeadDim / 2],
-        u32 (&p)[C::kBlockN / 16][4], float (&row_max)[2], float (&row_sum)[2]) const {
-        float alpha[2];
-        wait_k(i);
-        turns.acquire();
-        fence_operands(acc_s);
-        fence_pv_operands<C>(acc_o, p);
-        wgmma_fence();
-        qk(acc_s, i);
-        wait_v(i - 1);
-        pv(acc_o, p, i - 1);
-        turns.release(false);
-        wgmma_wait<1>();  // S done, P V still running: p and acc_o stay untouched
-        finish_qk(acc_s, i);
-        softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha);
-        wgmma_wait<0>();
-        finish_pv(acc_o, i - 1);
-        rescale_o<C>(acc_o, alpha);
-        pack_p<C>(p, acc_s);
-    }
-};
-
-// TMA store: the warpgroup's storing thread hands Q buffer `slot` back to the producer once the
-// O store staged in it has read it (a tile's epilogue stages O in the tile's Q buffer).
-template <class C>
-__device__ __forceinline__ void release_q(Sm90Barriers<C> bar, int slot) {
-    if (threadIdx.x % 128 == 0) {
-        bulk_wait_group_read<0>();
-        mbarrier_arrive(bar.empty_q(slot));
-    }
-}
-
-// The tile's first LSE entry.
-template <class C>
-__device__ __forceinline__ float* tile_lse(const FwdArgs<typename C::Elem>& a, const TileWork& w) {
-    return a.lse + (i64(w.batch) * a.heads + w.head) * a.seqlen_q + w.row0;
-}
-
 // One consumer warpgroup: query rows 64 * wg .. 64 * wg + 63 of the tile.
 // `it0`: the ring position of the tile's first KV block; `tile`: how many tiles this CTA has
 // done (its Q buffer and the parity of full_q); `is_final()`: whether no later tile of this CTA
@@ -642,79 +482,166 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
                                              const IsFinal& is_final) {
     const int wg = turns.wg, row0 = w.row0, q_rows = w.q_rows, n_blocks = w.n_blocks;
     typename C::Elem* o = a.o + w.batch * a.o_stride_b + w.head * a.o_stride_h + row0 * a.o_stride_s;
+    float* lse = a.lse + (i64(w.batch) * a.heads + w.head) * a.seqlen_q + row0;
+    using Elem = typename C::Elem;
+    constexpr int kSw = C::kSwizzle;
+    constexpr int kAccS = C::kBlockN / 2, kAccO = C::kHeadDim / 2;  // fp32 registers per thread
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+
     const int slot = q_slot<C>(tile);
     unsigned char* const q_tile = tiles + slot * C::kTileQ;
-    const TileSteps<C, Mods> steps(a, mods, w, bar, smem_u32, it0, wg, slot);
+    // Descriptors of each operand's first k16 step; steps and stages add their byte offset >> 4.
+    const u64 desc_q = desc_k_major<kSw>(smem_u32 + slot * C::kTileQ + wg * 64 * kSw);
+    const u64 desc_k = desc_k_major<kSw>(smem_u32 + C::kOffK);
+    const u64 desc_v = desc_mn_major<kSw>(smem_u32 + C::kOffV, C::kBlockN * kSw);
+    const auto stage = [it0](int i) { return (it0 + i) % C::kStages; };
+    const auto parity = [it0](int i) { return u32((it0 + i) / C::kStages) & 1; };
+    const auto stage_desc = [it0](u64 desc, int i) {
+        return desc + (((it0 + i) % C::kStages) * C::kTileKV >> 4);
+    };
+    const auto col0 = [&w](int i) { return w.col0(i, C::kBlockN); };
 
-    float acc_o[C::kHeadDim / 2], acc_s[C::kBlockN / 2], alpha[2];
+    float acc_o[kAccO], acc_s[kAccS], alpha[2];
     u32 p[C::kBlockN / 16][4];
     #pragma unroll
-    for (int i = 0; i < C::kHeadDim / 2; ++i) acc_o[i] = 0.f;
+    for (int i = 0; i < kAccO; ++i) acc_o[i] = 0.f;
     float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};
-    // TMA store: the previous tile's Q buffer goes back once its O store has read it; after this
-    // tile's first block, so the store runs behind its first GEMMs and softmax, and the producer
-    // still has a whole tile to load the next Q.
+    // With a score_mod the scale is applied before it (the mod sees scaled scores), and the
+    // softmax then works on the modified scores in log2 units.
+    const float scale_log2 = Mods::kScoreMod ? kLog2e : a.softmax_scale * kLog2e;
+    const int wg_row0 = row0 + wg * 64;
+    const int lane_row = wg_row0 + warp * 16 + lane / 4;  // this thread's rows: lane_row, +8
+    FullRange full{0, 1 << 30};
+    if constexpr (Mods::kMaskMod && Mods::kKvRange && !Mods::kBlockSparse)
+        full = full_range<C>(a, mods, w, wg_row0);
+
+    // Wait for S of block i; then its K slot is free.
+    const auto finish_qk = [&](int i) {
+        fence_operands(acc_s);
+        if (lane == 0) mbarrier_arrive(bar.empty_k(stage(i)));
+        if constexpr (Mods::kScoreMod) modify_scores<C>(acc_s, a, mods, w, col0(i), lane_row);
+        mask_scores<C>(acc_s, a, mods, w, full, col0(i), wg_row0, lane_row, i);
+    };
+    const auto fence_pv_operands = [&] {
+        fence_operands(acc_o);
+        #pragma unroll
+        for (int kk = 0; kk < C::kBlockN / 16; ++kk) fence_operands(p[kk]);
+    };
+    // TMA store: the warpgroup's storing thread hands the previous tile's Q buffer back once that
+    // tile's O store has read it; called after this tile's first block, so the store runs behind
+    // its first GEMMs and softmax, and the producer still has a whole tile to load the next Q.
+    const bool storer = threadIdx.x % 128 == 0;
     const auto release_previous_q = [&] {
         if constexpr (C::kTmaStore)
-            if (tile > 0) release_q<C>(bar, q_slot<C>(tile - 1));
+            if (storer && tile > 0) {
+                bulk_wait_group_read<0>();
+                mbarrier_arrive(bar.empty_q(q_slot<C>(tile - 1)));
+            }
     };
 
     mbarrier_wait(bar.full_q(slot), q_parity<C>(tile));
     if constexpr (C::kSchedule == 0) {
         // Plain: S, softmax, O += P V, one block after the other (the other warpgroups fill in).
         for (int i = 0; i < n_blocks; ++i) {
-            steps.wait_k(i);
+            mbarrier_wait(bar.full_k(stage(i)), parity(i));
             fence_operands(acc_s);
             wgmma_fence();
-            steps.qk(acc_s, i);
+            issue_qk<C>(acc_s, desc_q, stage_desc(desc_k, i));
             wgmma_wait<0>();
-            steps.finish_qk(acc_s, i);
-            softmax_step<C>(acc_s, row_max, row_sum, steps.scale_log2, alpha);
+            finish_qk(i);
+            softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha);
             if (i == 0) release_previous_q();
             rescale_o<C>(acc_o, alpha);
             pack_p<C>(p, acc_s);
-            steps.wait_v(i);
-            fence_pv_operands<C>(acc_o, p);
+            mbarrier_wait(bar.full_v(stage(i)), parity(i));
+            fence_pv_operands();
             wgmma_fence();
-            steps.pv(acc_o, p, i);
+            issue_pv<C>(acc_o, p, stage_desc(desc_v, i));
             wgmma_wait<0>();
-            steps.finish_pv(acc_o, i);
+            fence_operands(acc_o);
+            if (lane == 0) mbarrier_arrive(bar.empty_v(stage(i)));
         }
         (void)is_final();  // no turns to hand on
     } else {
-        // Overlapped (FA3's IntraWGOverlap): block 0's S alone, then S of block i with P V of
-        // block i - 1 (TileSteps::overlapped_block), then the last block's P V alone.
-        steps.wait_k(0);
+        // Overlapped (FA3's IntraWGOverlap): S of block i and O += P V of block i - 1 are in flight
+        // together; softmax of block i runs while the P V group still occupies the tensor cores.
+        // (FA3 rescales O in the S group's shadow, after its issue: measured no faster here, and
+        // a 4-byte spill in the document spec's hd256 causal variant; PERF_NOTES §16.)
+        mbarrier_wait(bar.full_k(stage(0)), parity(0));
         turns.acquire();
         fence_operands(acc_s);
         wgmma_fence();
-        steps.qk(acc_s, 0);
+        issue_qk<C>(acc_s, desc_q, stage_desc(desc_k, 0));
         turns.release(false);
         wgmma_wait<0>();
-        steps.finish_qk(acc_s, 0);
-        softmax_step<C>(acc_s, row_max, row_sum, steps.scale_log2, alpha);  // O is 0: alpha unused
+        finish_qk(0);
+        softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha);  // O is 0: alpha unused
         release_previous_q();
         pack_p<C>(p, acc_s);
-        for (int i = 1; i < n_blocks; ++i)
-            steps.overlapped_block(i, turns, acc_s, acc_o, p, row_max, row_sum);
+        for (int i = 1; i < n_blocks; ++i) {
+            mbarrier_wait(bar.full_k(stage(i)), parity(i));
+            turns.acquire();
+            fence_operands(acc_s);
+            fence_pv_operands();
+            wgmma_fence();
+            issue_qk<C>(acc_s, desc_q, stage_desc(desc_k, i));
+            mbarrier_wait(bar.full_v(stage(i - 1)), parity(i - 1));
+            issue_pv<C>(acc_o, p, stage_desc(desc_v, i - 1));
+            turns.release(false);
+            wgmma_wait<1>();  // S done, P V still running: p and acc_o stay untouched
+            finish_qk(i);
+            softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha);
+            wgmma_wait<0>();
+            fence_operands(acc_o);
+            if (lane == 0) mbarrier_arrive(bar.empty_v(stage(i - 1)));
+            rescale_o<C>(acc_o, alpha);
+            pack_p<C>(p, acc_s);
+        }
         const int last = n_blocks - 1;
-        steps.wait_v(last);
+        mbarrier_wait(bar.full_v(stage(last)), parity(last));
         turns.acquire();
-        fence_pv_operands<C>(acc_o, p);
+        fence_pv_operands();
         wgmma_fence();
-        steps.pv(acc_o, p, last);
+        issue_pv<C>(acc_o, p, stage_desc(desc_v, last));
         turns.release(is_final());
         wgmma_wait<0>();
-        steps.finish_pv(acc_o, last);
+        fence_operands(acc_o);
+        if (lane == 0) mbarrier_arrive(bar.empty_v(stage(last)));
     }
 
-    // Epilogue (stage_o): O staged in this warpgroup's own rows of its Q tile, then each warp
-    // stores its 16 rows in 16-byte chunks, or (kTmaStore) one thread stores the warpgroup's 64
-    // rows by TMA, one box per panel.
-    stage_o<C>(acc_o, row_max, row_sum, steps.scale_log2, q_tile, tile_lse<C>(a, w), q_rows, wg);
+    // Epilogue: O /= l, LSE = (m*c + log2 l) * ln2; rows with l == 0 saw no key: O = 0, LSE = -inf.
+    // O is staged in this warpgroup's own rows of its Q tile (every warp of it is past its last
+    // QK^T once the named barrier opens), then each warp stores its 16 rows in 16-byte chunks, or
+    // (kTmaStore) one thread stores the warpgroup's 64 rows by TMA, one box per panel.
+    named_barrier_sync(1 + wg, 128);
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float l = row_sum[h];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const bool empty = !(l > 0.f);
+        const float inv = empty ? 0.f : 1.f / l;
+        const int r = wg * 64 + warp * 16 + lane / 4 + 8 * h;  // row inside the tile
+        if (lane % 4 == 0 && r < q_rows)
+            lse[r] = empty ? neg_inf() : (row_max[h] * scale_log2 + log2_approx(l)) * kLn2;
+        #pragma unroll
+        for (int i = 0; i < C::kHeadDim / 8; ++i)
+            *reinterpret_cast<u32*>(q_tile + panel_offset<C>(C::kBlockM, r, i * 8 + 2 * (lane % 4))) =
+                pack2<Elem>(acc_o[4 * i + 2 * h] * inv, acc_o[4 * i + 2 * h + 1] * inv);
+    }
     if constexpr (C::kTmaStore) {
-        store_o<C>(map_o, smem_u32 + slot * C::kTileQ, w, wg);
+        // The TMA reads what the generic proxy wrote: fence, then every thread's O is in place.
+        // Rows past seqlen_q fall outside the map and are not written.
+        fence_proxy_async_shared();
+        named_barrier_sync(1 + wg, 128);
+        if (storer) {
+            const u32 rows = smem_u32 + slot * C::kTileQ + wg * 64 * kSw;
+            #pragma unroll
+            for (int panel = 0; panel < C::kPanels; ++panel)
+                tma_store_5d(map_o, rows + panel * C::kBlockM * kSw, 0, row0 + wg * 64, panel,
+                             w.head, w.batch);
+            bulk_commit_group();
+        }
         return;  // the buffer goes back to the producer in the next tile (release_previous_q)
     }
     __syncwarp();
@@ -730,138 +657,6 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     fence_proxy_async_shared();
     __syncwarp();
     if (lane == 0) mbarrier_arrive(bar.empty_q(slot));
-}
-
-// Chained tiles (kChain): what a consumer warpgroup carries from one of its tiles to the next.
-// The tile's last P V is issued in the next tile's first turn, with its first QK^T, and the
-// tile's epilogue runs once that P V is done, after the next tile's first softmax.
-template <class C>
-struct Carried {
-    float acc_o[C::kHeadDim / 2];
-    u32 p[C::kBlockN / 16][4];  // P of the tile's last block
-    float row_max[2], row_sum[2];
-    int row0, q_rows, head, batch;  // the tile (TileWork's, for its epilogue)
-    int slot;                       // its Q buffer, where O is staged
-    bool pending;  // a tile waits for its last P V and its epilogue
-    bool release;  // the O store of the tile before it has not given its Q buffer back yet
-    __device__ __forceinline__ TileWork tile() const {
-        return TileWork{head, batch, row0, q_rows, 0, 0, SparseRow{nullptr, nullptr, 0, 0}};
-    }
-};
-
-// The carried tile's epilogue, its last P V done: O /= l, staged in its Q buffer and stored by
-// TMA; the buffer goes back at the next release_q.
-template <class C>
-__device__ __forceinline__ void finish_carried(const FwdArgs<typename C::Elem>& a,
-                                               unsigned char* tiles, u32 smem_u32,
-                                               const TensorMap& map_o, int wg, float scale_log2,
-                                               Carried<C>& c) {
-    const TileWork w = c.tile();
-    stage_o<C>(c.acc_o, c.row_max, c.row_sum, scale_log2, tiles + c.slot * C::kTileQ,
-               tile_lse<C>(a, w), w.q_rows, wg);
-    store_o<C>(map_o, smem_u32 + c.slot * C::kTileQ, w, wg);
-    c.release = true;
-}
-
-// One tile of a chained consumer warpgroup (the overlapped schedules' steps, TileSteps). Its
-// first turn issues its first QK^T and the carried tile's last P V; its first softmax runs
-// while that P V is in flight; then the carried tile's epilogue, and the rest of the blocks as
-// unchained. The tile is carried on, its last P V not issued (sm90_consume_chained's caller
-// ends the CTA with sm90_chain_tail).
-template <class C, class Mods>
-__device__ __forceinline__ void sm90_consume_chained(const FwdArgs<typename C::Elem>& a,
-                                                     const Mods& mods, unsigned char* tiles,
-                                                     u32 smem_u32, Sm90Barriers<C> bar,
-                                                     const TensorMap& map_o, IssueTurns<C> turns,
-                                                     const TileWork& w, int it0, int tile,
-                                                     Carried<C>& c) {
-    const int wg = turns.wg, slot = q_slot<C>(tile);
-    const TileSteps<C, Mods> steps(a, mods, w, bar, smem_u32, it0, wg, slot);
-    float acc_s[C::kBlockN / 2], alpha[2];
-    float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};
-
-    // This tile's Q buffer is the one the tile two back stored O from: with a one-block tile in
-    // between, its store has not handed it back yet (the other tiles do it after block 1).
-    if (c.release) release_q<C>(bar, slot);
-    c.release = false;
-    mbarrier_wait(bar.full_q(slot), q_parity<C>(tile));
-    steps.wait_k(0);
-    turns.acquire();
-    // Each branch waits for all its wgmmas before they join: with the waits (wait_group 1, then
-    // 0) under a branch of their own, ptxas could not tell that the P V is always waited for
-    // before its accumulators are read, and serialized every wgmma (C7514).
-    if (c.pending) {
-        fence_operands(acc_s);
-        fence_pv_operands<C>(c.acc_o, c.p);
-        wgmma_fence();
-        steps.qk(acc_s, 0);
-        steps.wait_v(-1);  // the carried tile's last block: the ring's previous position
-        steps.pv(c.acc_o, c.p, -1);
-        turns.release(false);
-        wgmma_wait<1>();  // S done, the carried P V still running
-        steps.finish_qk(acc_s, 0);
-        softmax_step<C>(acc_s, row_max, row_sum, steps.scale_log2, alpha);  // alpha unused
-        wgmma_wait<0>();
-        steps.finish_pv(c.acc_o, -1);
-        pack_p<C>(c.p, acc_s);
-        finish_carried<C>(a, tiles, smem_u32, map_o, wg, steps.scale_log2, c);
-    } else {
-        fence_operands(acc_s);
-        wgmma_fence();
-        steps.qk(acc_s, 0);
-        turns.release(false);
-        wgmma_wait<0>();
-        steps.finish_qk(acc_s, 0);
-        softmax_step<C>(acc_s, row_max, row_sum, steps.scale_log2, alpha);
-        pack_p<C>(c.p, acc_s);
-    }
-    #pragma unroll
-    for (int i = 0; i < C::kHeadDim / 2; ++i) c.acc_o[i] = 0.f;
-    for (int i = 1; i < w.n_blocks; ++i) {
-        steps.overlapped_block(i, turns, acc_s, c.acc_o, c.p, row_max, row_sum);
-        // The carried tile's store has had a block's time to read its buffer.
-        if (i == 1 && c.release) {
-            release_q<C>(bar, q_slot<C>(tile - 1));
-            c.release = false;
-        }
-    }
-    #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        c.row_max[h] = row_max[h];
-        c.row_sum[h] = row_sum[h];
-    }
-    c.row0 = w.row0;
-    c.q_rows = w.q_rows;
-    c.head = w.head;
-    c.batch = w.batch;
-    c.slot = slot;
-    c.pending = true;
-}
-
-// The end of a chained consumer warpgroup: the last tile's last P V in the CTA's last turn, its
-// epilogue, and the wait for its store (shared memory must outlive it). `it`: the ring position
-// after the last tile.
-template <class C, class Mods>
-__device__ __forceinline__ void sm90_chain_tail(const FwdArgs<typename C::Elem>& a,
-                                                unsigned char* tiles, u32 smem_u32,
-                                                Sm90Barriers<C> bar, const TensorMap& map_o,
-                                                IssueTurns<C> turns, int it, Carried<C>& c) {
-    if (!c.pending) return;
-    const float scale_log2 = Mods::kScoreMod ? kLog2e : a.softmax_scale * kLog2e;
-    const int stage = (it - 1) % C::kStages;
-    mbarrier_wait(bar.full_v(stage), u32((it - 1) / C::kStages) & 1);
-    turns.acquire();
-    fence_pv_operands<C>(c.acc_o, c.p);
-    wgmma_fence();
-    issue_pv<C>(c.acc_o, c.p,
-                desc_mn_major<C::kSwizzle>(smem_u32 + C::kOffV + stage * C::kTileKV,
-                                           C::kBlockN * C::kSwizzle));
-    turns.release(true);
-    wgmma_wait<0>();
-    fence_operands(c.acc_o);
-    if (threadIdx.x % 32 == 0) mbarrier_arrive(bar.empty_v(stage));
-    finish_carried<C>(a, tiles, smem_u32, map_o, turns.wg, scale_log2, c);
-    if (threadIdx.x % 128 == 0) bulk_wait_group_read<0>();
 }
 
 // A tile whose rows all see no key: O = 0, LSE = -inf, by `threads` threads numbered from 0.
@@ -934,24 +729,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
                 it += w.n_blocks;
                 ++done;
             };
-            if constexpr (C::kDynamic && C::kChain) {
-                // Chained consumers take only tiles with work (warps 1..3 write the others):
-                // a claimed tile without any is passed over for the next claim.
-                const auto with_work = [&](int t) {
-                    while (t < tiles_of_cta.count && tiles_of_cta.at(a, t).n_blocks == 0)
-                        t = queue.claim();
-                    return min(t, tiles_of_cta.count);
-                };
-                int j = 0;
-                int t = with_work(blockIdx.x);
-                queue.publish(j++, t);
-                while (t < tiles_of_cta.count) {
-                    const int next = queue.claim();
-                    produce(t);
-                    t = with_work(next);
-                    queue.publish(j++, t);
-                }
-            } else if constexpr (C::kDynamic) {
+            if constexpr (C::kDynamic) {
                 // The successor is claimed before this tile's loads and published after them:
                 // the atomic's round trip hides behind the loads, and the consumers, who learn
                 // it at the tile's last GEMM (is_final), find it published.
@@ -968,42 +746,11 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
                 for (int t = tiles_of_cta.first(); t < tiles_of_cta.count; t += tiles_of_cta.step())
                     produce(t);
             }
-        } else if (C::kChain && threadIdx.x >= 32) {
-            // Chained, warps 1..3 write the tiles that see no key, those of the static list
-            // (every tile is in exactly one CTA's, whichever schedule computes the others):
-            // stores of them between a consumer's chained tiles made NVRTC 13.0 serialize its
-            // wgmmas (C7520).
-            for (int t = tiles_of_cta.first(); t < tiles_of_cta.count; t += tiles_of_cta.step()) {
-                const TileWork w = tiles_of_cta.at(a, t);
-                if (w.n_blocks == 0) write_empty_tile<C>(a, w, threadIdx.x - 32, 96);
-            }
         }
         return;
     }
     setmaxnreg_inc<C::kConsumerRegs>();
     const IssueTurns<C> turns{int(threadIdx.x / 128) - 1};
-    if constexpr (C::kChain) {
-        // Tiles with work only, in the producer's order (static list, or the queue's
-        // publications); the turns start with the first of them, if any.
-        Carried<C> carried;
-        carried.pending = carried.release = false;
-        const auto run = [&](int t) {
-            const TileWork w = tiles_of_cta.at(a, t);
-            if (!carried.pending) turns.start();
-            sm90_consume_chained<C>(a, mods, tiles, base, bar, map_o, turns, w, it, done, carried);
-            it += w.n_blocks;
-            ++done;
-        };
-        if constexpr (C::kDynamic) {
-            int j = 0;
-            for (int t = queue.take(j++); t < tiles_of_cta.count; t = queue.take(j++)) run(t);
-        } else {
-            for (int t = tiles_of_cta.first(); t < tiles_of_cta.count; t += tiles_of_cta.step())
-                if (tiles_of_cta.at(a, t).n_blocks > 0) run(t);
-        }
-        sm90_chain_tail<C, Mods>(a, tiles, base, bar, map_o, turns, it, carried);
-        return;
-    }
     if constexpr (C::kDynamic) {
         // Every tile, with work or not, takes one turn per warpgroup (an empty one hands it on
         // at once), so the turns stay in step without knowing the tiles ahead; each CTA has a
