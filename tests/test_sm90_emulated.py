@@ -229,3 +229,20 @@ def test_q_buffers_with_a_kv_range(window, shape, lazy):
     check(q, k, v, False, config=config, seed=left, lazy=lazy,
           spec=load_spec("flash_attn_window", onto="flash_attn_fwd_sm90"),
           mod_args={"window_left": left, "window_right": right}, mask_mod=visible)
+
+
+@pytest.mark.parametrize("schedule", [0, 2])
+def test_rescale_when_the_max_grows(schedule):
+    """Keys that grow toward the sequence start, which the kernel visits last: each KV block's
+    max exceeds the running one by far more than the lazy rescale's threshold (8 log2 units), so
+    O and the row sums are rescaled at nearly every block, in both the plain and the overlapped
+    steps; a row's max that stays (the other rows of the warp) must then keep alpha = 1."""
+    torch.manual_seed(schedule)
+    seqlen_q, seqlen_k = 130, 400
+    q = make(1, seqlen_q, 2, 64)
+    k, v = (make(1, seqlen_k, 1, 64) for _ in range(2))
+    growth = torch.linspace(12.0, 0.5, seqlen_k).view(1, seqlen_k, 1, 1)
+    k = (k.float() * growth).to(k.dtype)
+    q[:, ::2] = q[:, ::2] * 0.01   # rows whose max hardly moves, next to ones that jump
+    config = {"block_m": 128, "block_n": 64, "stages": 2, "schedule": schedule, "persistent": 0}
+    check(q, k, v, False, config=config, seed=schedule, lazy=True)
