@@ -234,9 +234,9 @@ def test_q_buffers_with_a_kv_range(window, shape, lazy):
 @pytest.mark.parametrize("schedule", [0, 2])
 def test_rescale_when_the_max_grows(schedule):
     """Keys that grow toward the sequence start, which the kernel visits last: each KV block's
-    max exceeds the running one by far more than the lazy rescale's threshold (8 log2 units), so
-    O and the row sums are rescaled at nearly every block, in both the plain and the overlapped
-    steps; a row's max that stays (the other rows of the warp) must then keep alpha = 1."""
+    max exceeds the running one by several log2 units, so O and the row sums are rescaled by a
+    small alpha at nearly every block, in both the plain and the overlapped steps, next to rows
+    whose max hardly moves (alpha near 1)."""
     torch.manual_seed(schedule)
     seqlen_q, seqlen_k = 130, 400
     q = make(1, seqlen_q, 2, 64)

@@ -316,7 +316,6 @@ inline unsigned __ballot_sync(unsigned, int predicate) {
     });
     return w.out[emu::lane_id()][0];
 }
-inline int __any_sync(unsigned mask, int predicate) { return __ballot_sync(mask, predicate) != 0; }
 inline int __popc(unsigned value) { return __builtin_popcount(value); }
 // Fibers switch only at collectives and barriers, so a plain read-modify-write is atomic here.
 inline int atomicAdd(int* address, int value) {

@@ -394,16 +394,9 @@ __device__ __forceinline__ void mask_scores(float (&acc_s)[C::kBlockN / 2],
         }
 }
 
-// A row's running max moves only when a block's max exceeds it by more than this many log2 units
-// (FA4's lazy rescale): the softmax is exact for any subtracted max, and P stays at most 2^8, far
-// from overflowing fp32 sums or 16-bit P. After a row's first blocks its max rarely grows that
-// much, so most blocks leave alpha = 1 for every row of a warp and rescale_o skips O.
-constexpr float kRescaleThreshold = 8.f;
-
 // Online softmax on this thread's rows (h = 0: lane_row, h = 1: lane_row + 8), the math of
-// flash_fwd_sm80.cuh with a lazy max: the running max m_new (m_old unless the block's max is more
-// than kRescaleThreshold above it), alpha = exp2((m_old - m_new) * c) for O and l (exactly 1 when
-// the max stays), and S -> P = exp2(S * c - m_new * c) in place (fp32).
+// flash_fwd_sm80.cuh: new running max, alpha = exp2((m_old - m_new) * c) for O and l, and
+// S -> P = exp2(S * c - m_new * c) in place (fp32).
 template <class C>
 __device__ __forceinline__ void softmax_step(float (&acc_s)[C::kBlockN / 2], float (&row_max)[2],
                                              float (&row_sum)[2], float scale_log2,
@@ -416,9 +409,6 @@ __device__ __forceinline__ void softmax_step(float (&acc_s)[C::kBlockN / 2], flo
             mx = fmaxf(mx, fmaxf(acc_s[4 * i + 2 * h], acc_s[4 * i + 2 * h + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        // Keep the max (false for a first finite max: m_old = -inf gives +inf, or NaN when the
-        // block's max is -inf too).
-        if ((mx - row_max[h]) * scale_log2 <= kRescaleThreshold) mx = row_max[h];
         // A row that has seen only masked keys keeps m = -inf: use 0 so that (-inf) - (-inf)
         // never happens; its p and alpha are then exp2(-inf) = 0.
         const float m_scaled = mx == neg_inf() ? 0.f : mx * scale_log2;
@@ -437,10 +427,8 @@ __device__ __forceinline__ void softmax_step(float (&acc_s)[C::kBlockN / 2], flo
     }
 }
 
-// O *= alpha per row; skipped when no row of the warp moved its max (the vote is warp-uniform).
 template <class C>
 __device__ __forceinline__ void rescale_o(float (&acc_o)[C::kHeadDim / 2], const float (&alpha)[2]) {
-    if (!__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) return;
     #pragma unroll
     for (int i = 0; i < C::kHeadDim / 8; ++i)
         #pragma unroll
