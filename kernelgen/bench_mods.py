@@ -22,7 +22,7 @@ The plain kernel is counted the same way (causal: N (N + 1) / 2 pairs, not N^2 /
 kernelgen/plain, goal >= 0.90 (a modifier costs at most 10% per useful FLOP), and kernelgen/flex,
 goal >= 1.5. `diff` is the largest |kernelgen - flex| of the outputs, a check that both compute
 the same modification. Backward rows run only where kernelgen's modified kernel has a backward
-(today none: those rows are skipped with a note).
+(every shipped modifier has one; a user's spec without score_mod_grad is skipped with a note).
 """
 from __future__ import annotations
 

@@ -261,4 +261,7 @@ def test_tiny_runs_on_the_gpu(tmp_path, capsys):
     forward = [row for row in mods if row["pass"] == "fwd"]
     assert len(forward) == 2 and all(set(r["tflops"]) == {"kernelgen", "plain", "flex"} for r in forward)
     assert all(r["max_diff"] < 0.05 for r in forward), [r.get("errors") for r in forward]
-    assert all("note" in row for row in mods if row["pass"] == "bwd")  # forward-only today
+    backward = [row for row in mods if row["pass"] == "bwd"]   # both have gradients
+    assert len(backward) == 2 and all("note" not in row for row in backward)
+    assert all(row["tflops"].get("kernelgen", 0) > 0 and row["tflops"].get("flex", 0) > 0
+               for row in backward), [row.get("errors") for row in backward]
