@@ -418,6 +418,19 @@ def test_the_packaged_defaults_file(spec):
     assert "data/*.json" in pyproject["tool"]["setuptools"]["package-data"]["kernelgen"]
 
 
+def test_packaged_defaults_carry_their_specs_current_hashes():
+    """Every shipped entry names the content hash of its spec as it is now: an edit of a spec or
+    template either keeps its configs' meaning (then `tools/merge_defaults.py --rehash SPEC`) or
+    needs the entries tuned again; either way the file says which spec text was measured."""
+    doc = json.loads((REPO_ROOT / "kernelgen" / "data" / "tuned_defaults.json").read_text())
+    stale = set()
+    for entry in doc["entries"]:
+        child, _, onto = entry["spec"].partition("__")
+        if load_spec(child, onto=onto or None).content_hash != entry["spec_hash"]:
+            stale.add(entry["spec"])
+    assert not stale, f"entries of {sorted(stale)} were measured on an older spec text"
+
+
 def test_export_writes_the_shipped_format(fake_gpu, spec, variant, tmp_path, monkeypatch):
     record(spec, variant, cfg(64, 64))
     record(spec, variant, cfg(128, 64))                  # a later run: replaces the first
