@@ -335,25 +335,105 @@ __device__ __forceinline__ void modify_scores(float (&acc_s)[C::kBlockN / 2],
                 mod_index<Mods>(lane_col + i * 8 + (e & 1), a.seqlen_k), a.seqlen_q, a.seqlen_k);
 }
 
+// Which blocks evaluate the mask_mod per element: all of them, or with a block mask only its
+// partially visible blocks (the first w.sparse.n_partial of the tile's visiting order; `block` is
+// this one's index in it), or with a kv range the blocks not inside the full range.
+template <class C, class Mods>
+__device__ __forceinline__ bool needs_mod_mask(const TileWork& w, FullRange full, int col0,
+                                               int block) {
+    if constexpr (!Mods::kMaskMod) return false;
+    else if constexpr (Mods::kBlockSparse) return block < w.sparse.n_partial;
+    else if constexpr (Mods::kKvRange) return col0 < full.lo || col0 + C::kBlockN > full.hi;
+    else return true;
+}
+
+// Which of this thread's elements of one block the block's query rows see, a bit each (element
+// k = 4 i + e of the S accumulators is bit k % 32 of word k / 32; 1: visible): the mask_mod, the
+// sequence end and the causal diagonal together. The consumer evaluates it between issuing the
+// block's QK^T and waiting for it, so a mask_mod that reads memory (document ids: 34 loads a
+// thread per block at N = 128) loads while the tensor cores work, and after the wait the mask
+// is one test and select per score (PERF_NOTES §26). `active` false: the block needs no mask_mod
+// (mask_scores then applies the built-in masks alone), and `word` is not read; nor is it with
+// kv_range.exact, whose bounds stand for the mask_mod.
+template <class C>
+struct ModBits {
+    static constexpr int kWords = (C::kBlockN / 2 + 31) / 32;
+    u32 word[kWords];
+    bool active;
+};
+
+// Whether a block straddles the sequence end or (causal) a row's diagonal of the warpgroup's rows,
+// so that the built-in masks hide some of its elements.
+template <class C>
+__device__ __forceinline__ bool needs_builtin_mask(const FwdArgs<typename C::Elem>& a, int col0,
+                                                   int wg_row0) {
+    bool need = col0 + C::kBlockN > a.seqlen_k;
+    if constexpr (C::kCausal) need |= col0 + C::kBlockN - 1 > wg_row0 + a.seqlen_k - a.seqlen_q;
+    return need;
+}
+
+// Element (i, e)'s key is past the end if i*8 + (e&1) >= tail, past its row's diagonal if
+// diag + i*8 + (e&1) - (e/2)*8 > 0 (tail = seqlen_k - lane_col, diag = lane_col - lane_row -
+// (seqlen_k - seqlen_q)).
+template <class C>
+__device__ __forceinline__ bool builtin_masked(int i, int e, int tail, int diag) {
+    bool masked = i * 8 + (e & 1) >= tail;
+    if constexpr (C::kCausal) masked |= diag + i * 8 + (e & 1) - (e / 2) * 8 > 0;
+    return masked;
+}
+
+// The bits of one block, with the built-in masks folded in (kEdge) or not (a block that
+// straddles no boundary: one compare per element fewer).
+template <bool kEdge, class C, class Mods>
+__device__ __forceinline__ void fill_mask_bits(ModBits<C>& bits, const FwdArgs<typename C::Elem>& a,
+                                               const Mods& mods, const TileWork& w, int lane_col,
+                                               int lane_row) {
+    const int tail = a.seqlen_k - lane_col;
+    const int diag = lane_col - lane_row - (a.seqlen_k - a.seqlen_q);
+    #pragma unroll
+    for (int j = 0; j < ModBits<C>::kWords; ++j) bits.word[j] = 0;
+    #pragma unroll
+    for (int i = 0; i < C::kBlockN / 8; ++i)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            // `&`, not `&&`: the mask_mod runs on every element (its indices are clamped where it
+            // reads memory), so its loads are unconditional and ptxas loads each id once
+            // (2 + N/4 loads, not one pair per element).
+            bool visible = mods.mask_mod(
+                w.batch, w.head, mod_index<Mods>(lane_row + (e / 2) * 8, a.seqlen_q),
+                mod_index<Mods>(lane_col + i * 8 + (e & 1), a.seqlen_k), a.seqlen_q, a.seqlen_k);
+            if constexpr (kEdge) visible &= !builtin_masked<C>(i, e, tail, diag);
+            const int k = 4 * i + e;
+            bits.word[k / 32] |= u32(visible) << (k % 32);
+        }
+}
+
+template <class C, class Mods>
+__device__ __forceinline__ ModBits<C> mod_mask_bits(const FwdArgs<typename C::Elem>& a,
+                                                    const Mods& mods, const TileWork& w,
+                                                    FullRange full, int col0, int wg_row0,
+                                                    int lane_row, int block) {
+    ModBits<C> bits;
+    bits.active = needs_mod_mask<C, Mods>(w, full, col0, block);
+    if constexpr (Mods::kMaskMod && !Mods::kExactRange) {
+        if (!bits.active) return bits;
+        const int lane_col = col0 + 2 * (threadIdx.x % 4);
+        fill_mask_bits<true>(bits, a, mods, w, lane_col, lane_row);
+    }
+    return bits;
+}
+
 // Keys past seqlen_k, for causal past each row's diagonal (bottom-right aligned: row r sees keys
 // <= r + seqlen_k - seqlen_q), and those the mask_mod hides get -inf. Only blocks that straddle a
 // boundary pay for the built-in masks, and only blocks outside the full range for the mask_mod
-// (with a block mask: only its partially visible blocks, the first w.sparse.n_partial of the
-// tile's visiting order; `block` is this one's index in it).
+// (needs_mod_mask; its verdicts, with the built-in masks', are `bits`: mod_mask_bits).
 template <class C, class Mods>
 __device__ __forceinline__ void mask_scores(float (&acc_s)[C::kBlockN / 2],
                                             const FwdArgs<typename C::Elem>& a, const Mods& mods,
-                                            const TileWork& w, FullRange full, int col0,
-                                            int wg_row0, int lane_row, int block) {
-    bool need_mask = col0 + C::kBlockN > a.seqlen_k;
-    if constexpr (C::kCausal)
-        need_mask |= col0 + C::kBlockN - 1 > wg_row0 + a.seqlen_k - a.seqlen_q;
-    bool need_mod_mask = Mods::kMaskMod;
-    if constexpr (Mods::kMaskMod && Mods::kBlockSparse)
-        need_mod_mask = block < w.sparse.n_partial;
-    else if constexpr (Mods::kMaskMod && Mods::kKvRange)
-        need_mod_mask = col0 < full.lo || col0 + C::kBlockN > full.hi;
-    if (!need_mask && !need_mod_mask) return;
+                                            const TileWork& w, const ModBits<C>& bits, int col0,
+                                            int wg_row0, int lane_row) {
+    const bool need_mask = needs_builtin_mask<C>(a, col0, wg_row0);
+    if (!need_mask && !bits.active) return;
     const int lane_col = col0 + 2 * (threadIdx.x % 4);
     if constexpr (Mods::kMaskMod && Mods::kExactRange) {
         // kv_range.exact: a row's range is exactly the keys it sees. With the sequence end and
@@ -376,22 +456,22 @@ __device__ __forceinline__ void mask_scores(float (&acc_s)[C::kBlockN / 2],
                 if (key < lo[e / 2] || key >= hi[e / 2]) acc_s[4 * i + e] = neg_inf();
             }
         return;
+    } else if constexpr (Mods::kMaskMod) {
+        if (bits.active) {
+            #pragma unroll
+            for (int k = 0; k < C::kBlockN / 2; ++k)
+                if (!((bits.word[k / 32] >> (k % 32)) & 1u)) acc_s[k] = neg_inf();
+            return;
+        }
+        if (!need_mask) return;
     }
-    const int tail = a.seqlen_k - lane_col;  // element (i, e) is past the end if >= tail
-    // col - row - (sk - sq) of element (i, e) is diag + i*8 + (e&1) - (e/2)*8
+    const int tail = a.seqlen_k - lane_col;
     const int diag = lane_col - lane_row - (a.seqlen_k - a.seqlen_q);
     #pragma unroll
     for (int i = 0; i < C::kBlockN / 8; ++i)
         #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            bool masked = i * 8 + (e & 1) >= tail;
-            if constexpr (C::kCausal) masked |= diag + i * 8 + (e & 1) - (e / 2) * 8 > 0;
-            if constexpr (Mods::kMaskMod)
-                masked |= need_mod_mask && !mods.mask_mod(
-                    w.batch, w.head, mod_index<Mods>(lane_row + (e / 2) * 8, a.seqlen_q),
-                    mod_index<Mods>(lane_col + i * 8 + (e & 1), a.seqlen_k), a.seqlen_q, a.seqlen_k);
-            if (masked) acc_s[4 * i + e] = neg_inf();
-        }
+        for (int e = 0; e < 4; ++e)
+            if (builtin_masked<C>(i, e, tail, diag)) acc_s[4 * i + e] = neg_inf();
 }
 
 // Online softmax on this thread's rows (h = 0: lane_row, h = 1: lane_row + 8), the math of
@@ -515,12 +595,25 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     if constexpr (Mods::kMaskMod && Mods::kKvRange && !Mods::kBlockSparse)
         full = full_range<C>(a, mods, w, wg_row0);
 
-    // Wait for S of block i; then its K slot is free.
-    const auto finish_qk = [&](int i) {
+    // Block i's first key, read before the wait for its S where that is a load (a block mask's
+    // list): issued between the QK^T and the wait, `early` is what the wait would else stall on.
+    // Else computed where it is used, as the plain kernels always have.
+    const auto early_col0 = [&](int i) { return Mods::kBlockSparse ? col0(i) : 0; };
+    const auto block_col0 = [&](int i, int early) { return Mods::kBlockSparse ? early : col0(i); };
+    // Block i's mask_mod bits, called between the issue of its QK^T and the wait for it.
+    const auto mask_bits = [&](int i, int early) {
+        if constexpr (Mods::kMaskMod)
+            return mod_mask_bits<C>(a, mods, w, full, block_col0(i, early), wg_row0, lane_row, i);
+        else
+            return ModBits<C>{};
+    };
+    // After the wait for S of block i: its K slot is free; the mods rewrite and mask S.
+    const auto finish_qk = [&](int i, int early, const ModBits<C>& bits) {
         fence_operands(acc_s);
         if (lane == 0) mbarrier_arrive(bar.empty_k(stage(i)));
-        if constexpr (Mods::kScoreMod) modify_scores<C>(acc_s, a, mods, w, col0(i), lane_row);
-        mask_scores<C>(acc_s, a, mods, w, full, col0(i), wg_row0, lane_row, i);
+        const int c0 = block_col0(i, early);
+        if constexpr (Mods::kScoreMod) modify_scores<C>(acc_s, a, mods, w, c0, lane_row);
+        mask_scores<C>(acc_s, a, mods, w, bits, c0, wg_row0, lane_row);
     };
     const auto fence_pv_operands = [&] {
         fence_operands(acc_o);
@@ -547,8 +640,10 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             fence_operands(acc_s);
             wgmma_fence();
             issue_qk<C>(acc_s, desc_q, stage_desc(desc_k, i));
+            const int c0 = early_col0(i);
+            const ModBits<C> bits = mask_bits(i, c0);  // loads run while the QK^T does
             wgmma_wait<0>();
-            finish_qk(i);
+            finish_qk(i, c0, bits);
             softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha);
             if (i == 0) release_previous_q();
             rescale_o<C>(acc_o, alpha);
@@ -573,8 +668,10 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         wgmma_fence();
         issue_qk<C>(acc_s, desc_q, stage_desc(desc_k, 0));
         turns.release(false);
+        const int c00 = early_col0(0);
+        const ModBits<C> bits0 = mask_bits(0, c00);
         wgmma_wait<0>();
-        finish_qk(0);
+        finish_qk(0, c00, bits0);
         softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha);  // O is 0: alpha unused
         release_previous_q();
         pack_p<C>(p, acc_s);
@@ -588,8 +685,10 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             mbarrier_wait(bar.full_v(stage(i - 1)), parity(i - 1));
             issue_pv<C>(acc_o, p, stage_desc(desc_v, i - 1));
             turns.release(false);
+            const int c0 = early_col0(i);
+            const ModBits<C> bits = mask_bits(i, c0);
             wgmma_wait<1>();  // S done, P V still running: p and acc_o stay untouched
-            finish_qk(i);
+            finish_qk(i, c0, bits);
             softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha);
             wgmma_wait<0>();
             fence_operands(acc_o);
