@@ -1,6 +1,11 @@
 """Ragged shapes for compute-sanitizer memcheck: every head dim, both masks, lengths that are not
 tile multiples, GQA; forward, backward (through autograd) and the modifier specs. Exits non-zero
-if any output is wrong."""
+if any output is wrong.
+    python tools/ragged.py [--mask-mods [HEAD_DIM ...]]
+--mask-mods: only the mask_mod specs (window, document; forward and gradient) at the head dims
+given (default all): the short run for a change to how the kernels evaluate a mask_mod."""
+import sys
+
 import torch
 
 import kernelgen
@@ -23,35 +28,40 @@ def report(ok, *what):
         print("WRONG", *what)
 
 
-for head_dim in (64, 96, 128, 192, 256):
+MASK_MODS = "--mask-mods" in sys.argv
+HEAD_DIMS = tuple(int(a) for a in sys.argv[2:]) if MASK_MODS else ()
+for head_dim in HEAD_DIMS or (64, 96, 128, 192, 256):
     for causal in (False, True):
         for seqlen_q, seqlen_k in ((1, 1), (17, 33), (130, 77), (77, 130)):
             q = torch.randn(2, seqlen_q, 4, head_dim, device="cuda", dtype=torch.float16)
             k = torch.randn(2, seqlen_k, 2, head_dim, device="cuda", dtype=torch.float16)
             v = torch.randn(2, seqlen_k, 2, head_dim, device="cuda", dtype=torch.float16)
-            out = kernelgen.flash_attn_func(q, k, v, causal=causal)
-            ref, _ = attention_ref(q, k, v, causal)
-            pt, _ = attention_ref(q, k, v, causal, upcast=False)
-            report(max_error(out, ref) <= 2 * max_error(pt, ref) + rounding_allowance(ref),
-                   "fwd", head_dim, causal, seqlen_q, seqlen_k)
-            if HOPPER:
-                out, _ = flash_attn_forward_sm90(q, k, v, causal, config=DYNAMIC if head_dim <= 128
-                                                 else DYNAMIC_WIDE)
+            if not MASK_MODS:  # the plain kernels
+                out = kernelgen.flash_attn_func(q, k, v, causal=causal)
+                ref, _ = attention_ref(q, k, v, causal)
+                pt, _ = attention_ref(q, k, v, causal, upcast=False)
                 report(max_error(out, ref) <= 2 * max_error(pt, ref) + rounding_allowance(ref),
-                       "fwd dynamic", head_dim, causal, seqlen_q, seqlen_k)
-            if head_dim in (64, 96, 128):   # the Hopper backward's head dims on an H200
-                for t in (q, k, v):
-                    t.requires_grad_()
-                grads = torch.autograd.grad(kernelgen.flash_attn_func(q, k, v, causal=causal),
-                                            (q, k, v), torch.ones_like(q))
-                report(all(torch.isfinite(g).all() for g in grads), "bwd", head_dim, causal,
-                       seqlen_q, seqlen_k)
+                       "fwd", head_dim, causal, seqlen_q, seqlen_k)
+                if HOPPER:
+                    config = DYNAMIC if head_dim <= 128 else DYNAMIC_WIDE
+                    out, _ = flash_attn_forward_sm90(q, k, v, causal, config=config)
+                    report(max_error(out, ref) <= 2 * max_error(pt, ref) + rounding_allowance(ref),
+                           "fwd dynamic", head_dim, causal, seqlen_q, seqlen_k)
+                if head_dim in (64, 96, 128):   # the Hopper backward's head dims on an H200
+                    for t in (q, k, v):
+                        t.requires_grad_()
+                    grads = torch.autograd.grad(kernelgen.flash_attn_func(q, k, v, causal=causal),
+                                                (q, k, v), torch.ones_like(q))
+                    report(all(torch.isfinite(g).all() for g in grads), "bwd", head_dim, causal,
+                           seqlen_q, seqlen_k)
             x = q.detach()
             kernelgen.flash_attn_func(x, k.detach(), v.detach(), causal=causal, window_size=(5, 3))
-            kernelgen.flash_attn_func(x, k.detach(), v.detach(), causal=causal, softcap=4.0)
-            # ALiBi's forward passes the mods unclamped indices (it reads no per-token tensor).
-            slopes = torch.rand(4, device="cuda", dtype=torch.float32)
-            kernelgen.flash_attn_func(x, k.detach(), v.detach(), causal=causal, alibi_slopes=slopes)
+            if not MASK_MODS:  # the score_mod specs
+                kernelgen.flash_attn_func(x, k.detach(), v.detach(), causal=causal, softcap=4.0)
+                # ALiBi's forward passes the mods unclamped indices (it reads no per-token tensor).
+                slopes = torch.rand(4, device="cuda", dtype=torch.float32)
+                kernelgen.flash_attn_func(x, k.detach(), v.detach(), causal=causal,
+                                          alibi_slopes=slopes)
             if head_dim in (64, 96, 128):   # the window's gradient: the kv-range walk of pairs
                 xw = x.clone().requires_grad_()
                 out = kernelgen.flash_attn_func(xw, k.detach(), v.detach(), causal=causal,

@@ -369,6 +369,12 @@ __device__ __forceinline__ u32 panel_offset_bwd(int rows, int row, int col) {
            swizzle<SWIZZLE>(row * SWIZZLE + (col % (SWIZZLE / 2)) * 2);
 }
 
+// Whether the mask_mod's verdicts are taken before the wait for S^T (bwd_mod_hidden_bits), or per
+// element in bwd_mod_probs_pass: head_dim 96's consumers sit at the register limit, and the
+// document's causal variant spills 4 bytes with the bits, before the wait or after it.
+template <class C>
+constexpr bool kEarlyModBits = C::kHeadDim != 96;
+
 // With mods: P^T in place of the raw scores S^T (acc_s) of one pair, every mask applied, packed
 // into p16 for dV; acc_s then holds P^T * score_mod_grad, which dS^T = acc_s * (dP^T - D) takes
 // as without mods. Element (i, e) is key key0 + 8 * (e / 2), query query0 + 8 * i + (e & 1);
@@ -385,7 +391,7 @@ __device__ __forceinline__ void bwd_mod_probs_pass(float (&acc_s)[C::kBlockM / 2
                                                    const BwdArgs<typename C::Elem>& a,
                                                    const Mods& mods, int batch, int head, int key0,
                                                    int query0, const float* lse2, bool need_mask,
-                                                   bool need_mod_mask) {
+                                                   bool need_mod_mask, u32 mod_hidden) {
     const ModSite at{batch, a.seqlen_q, a.seqlen_k, a.softmax_scale};
     const int shift = a.seqlen_k - a.seqlen_q;
     #pragma unroll
@@ -401,7 +407,9 @@ __device__ __forceinline__ void bwd_mod_probs_pass(float (&acc_s)[C::kBlockM / 2
                 if constexpr (MASKED) {
                     hidden = need_mask && key >= a.seqlen_k;
                     if constexpr (C::kCausal) hidden |= need_mask && key > query + shift;
-                    if constexpr (Mods::kMaskMod)
+                    if constexpr (Mods::kMaskMod && kEarlyModBits<C>)
+                        hidden |= need_mod_mask && ((mod_hidden >> (4 * i + e)) & 1u);
+                    else if constexpr (Mods::kMaskMod)
                         hidden |= need_mod_mask && mod_hides(mods, at, head, query, key);
                 }
                 const float lse = c ? l.y : l.x;
@@ -429,13 +437,36 @@ template <class C, class Mods>
 __device__ __forceinline__ void bwd_mod_probs(float (&acc_s)[C::kBlockM / 2], Packed<C::kBlockM>& p16,
                                               const BwdArgs<typename C::Elem>& a, const Mods& mods,
                                               int batch, int head, int key0, int query0,
-                                              const float* lse2, bool need_mask, bool need_mod_mask) {
+                                              const float* lse2, bool need_mask, bool need_mod_mask,
+                                              u32 mod_hidden) {
     if (C::kHeadDim == 96 || need_mask || need_mod_mask)
         bwd_mod_probs_pass<true, C>(acc_s, p16, a, mods, batch, head, key0, query0, lse2,
-                                    need_mask, need_mod_mask);
+                                    need_mask, need_mod_mask, mod_hidden);
     else
         bwd_mod_probs_pass<false, C>(acc_s, p16, a, mods, batch, head, key0, query0, lse2,
-                                     false, false);
+                                     false, false, 0u);
+}
+
+// The mask_mod's verdicts on this thread's elements of one pair, bit 4 i + e set where it hides
+// element (i, e) (bwd_mod_probs_pass's numbering; BLOCK_M / 2 <= 32 elements). Evaluated between
+// the issue of the pair's S^T and dP^T and the wait for S^T, so that a mask_mod that reads memory
+// (document ids: 2 + BLOCK_M / 4 loads a thread) loads while the tensor cores work, as the
+// forward does (flash_fwd_sm90.cuh, mod_mask_bits; PERF_NOTES §26). Every element is evaluated
+// (indices clamped, as mod_hides does), so ptxas loads each id once.
+template <class C, class Mods>
+__device__ __forceinline__ u32 bwd_mod_hidden_bits(const BwdArgs<typename C::Elem>& a,
+                                                   const Mods& mods, int batch, int head, int key0,
+                                                   int query0) {
+    static_assert(C::kBlockM / 2 <= 32, "one word of bits");
+    const ModSite at{batch, a.seqlen_q, a.seqlen_k, a.softmax_scale};
+    u32 bits = 0;
+    #pragma unroll
+    for (int i = 0; i < C::kBlockM / 8; ++i)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e)
+            bits |= u32(mod_hides(mods, at, head, query0 + 8 * i + (e & 1), key0 + 8 * (e / 2)))
+                    << (4 * i + e);
+    return bits;
 }
 
 // One consumer warpgroup: keys kv0 + 64 * wg .. + 63 of the CTA's tile.
@@ -496,23 +527,29 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
         // P^T in place of S^T. Keys past seqlen_k and, causal, keys past a query's diagonal get
         // 0; that also covers queries that see no key (LSE = -inf, P = inf before the select),
         // which only occur in tiles that straddle the diagonal. Only those tiles pay.
-        wgmma_wait<1>();
-        fence_operands(acc_s);
         const int key0 = w.kv0 + lane_key, query0 = m0 + lane_col;
         bool need_mask = w.kv0 + 64 * wg + 64 > a.seqlen_k;
         if constexpr (C::kCausal) need_mask |= w.kv0 + 64 * wg + 63 > m0 + shift;
-        if constexpr (kHasMods<Mods>) {
-            // The mask_mod per element: in a block mask's partial tiles, else unless the kv range
-            // vouches for this warpgroup's 64 keys and the tile's rows.
-            bool need_mod_mask = Mods::kMaskMod;
-            if constexpr (Mods::kMaskMod && Mods::kBlockSparse)
+        // The mask_mod per element: in a block mask's partial tiles, else unless the kv range
+        // vouches for this warpgroup's 64 keys and the tile's rows. Its verdicts are taken while
+        // the GEMMs run (kEarlyModBits).
+        bool need_mod_mask = Mods::kMaskMod;
+        u32 mod_hidden = 0;
+        if constexpr (Mods::kMaskMod) {
+            if constexpr (Mods::kBlockSparse)
                 need_mod_mask = pair.partial;
-            else if constexpr (Mods::kMaskMod && Mods::kKvRange)
+            else if constexpr (Mods::kKvRange)
                 need_mod_mask = mod_mask_needed<64>(walk.mods, w.kv0 + 64 * wg, m0,
                                                     min(m0 + C::kBlockM, a.seqlen_q) - 1, w.batch,
                                                     head, a.seqlen_q, a.seqlen_k);
+            if (kEarlyModBits<C> && need_mod_mask)
+                mod_hidden = bwd_mod_hidden_bits<C>(a, walk.mods, w.batch, head, key0, query0);
+        }
+        wgmma_wait<1>();
+        fence_operands(acc_s);
+        if constexpr (kHasMods<Mods>) {
             bwd_mod_probs<C>(acc_s, p16, a, walk.mods, w.batch, head, key0, query0, lse2 + lane_col,
-                             need_mask, need_mod_mask);
+                             need_mask, need_mod_mask, mod_hidden);
         } else {
             #pragma unroll
             for (int i = 0; i < C::kBlockM / 8; ++i) {

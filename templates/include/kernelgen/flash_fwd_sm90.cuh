@@ -418,7 +418,10 @@ __device__ __forceinline__ ModBits<C> mod_mask_bits(const FwdArgs<typename C::El
     if constexpr (Mods::kMaskMod && !Mods::kExactRange) {
         if (!bits.active) return bits;
         const int lane_col = col0 + 2 * (threadIdx.x % 4);
-        fill_mask_bits<true>(bits, a, mods, w, lane_col, lane_row);
+        if (needs_builtin_mask<C>(a, col0, wg_row0))
+            fill_mask_bits<true>(bits, a, mods, w, lane_col, lane_row);
+        else
+            fill_mask_bits<false>(bits, a, mods, w, lane_col, lane_row);
     }
     return bits;
 }
