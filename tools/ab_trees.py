@@ -26,8 +26,8 @@ def main() -> None:
         pairs = " ".join(f"{y[key] / x[key]:.3f}" for x, y in zip(a, b))
         ratios.append(tb / ta)
         hd, causal, seqlen, kind, mod = key
-        print(f"{mod:8} hd{hd} {'causal' if causal else 'full':6} {seqlen:>6} {kind:4} {ta:7.1f} {tb:7.1f}  "
-              f"{tb / ta:.3f} ({pairs})")
+        print(f"{mod:8} hd{hd} {'causal' if causal else 'full':6} {seqlen:>6} {kind:4} "
+              f"{ta:7.1f} {tb:7.1f}  {tb / ta:.3f} ({pairs})")
     print(f"geomean B/A {statistics.geometric_mean(ratios):.3f} over {len(ratios)} shapes")
 
 

@@ -4,7 +4,7 @@ if any output is wrong.
     python tools/ragged.py [--mask-mods [HEAD_DIM ...]]
 --mask-mods: only the mask_mod specs (window, document; forward and gradient) at the head dims
 given (default all): the short run for a change to how the kernels evaluate a mask_mod."""
-import sys
+import argparse
 
 import torch
 
@@ -28,15 +28,17 @@ def report(ok, *what):
         print("WRONG", *what)
 
 
-MASK_MODS = "--mask-mods" in sys.argv
-HEAD_DIMS = tuple(int(a) for a in sys.argv[2:]) if MASK_MODS else ()
-for head_dim in HEAD_DIMS or (64, 96, 128, 192, 256):
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--mask-mods", type=int, nargs="*", metavar="HEAD_DIM",
+                    help="only the window and document specs, at these head dims (none: all)")
+MASK_MODS = parser.parse_args().mask_mods
+for head_dim in MASK_MODS or (64, 96, 128, 192, 256):
     for causal in (False, True):
         for seqlen_q, seqlen_k in ((1, 1), (17, 33), (130, 77), (77, 130)):
             q = torch.randn(2, seqlen_q, 4, head_dim, device="cuda", dtype=torch.float16)
             k = torch.randn(2, seqlen_k, 2, head_dim, device="cuda", dtype=torch.float16)
             v = torch.randn(2, seqlen_k, 2, head_dim, device="cuda", dtype=torch.float16)
-            if not MASK_MODS:  # the plain kernels
+            if MASK_MODS is None:  # the plain kernels
                 out = kernelgen.flash_attn_func(q, k, v, causal=causal)
                 ref, _ = attention_ref(q, k, v, causal)
                 pt, _ = attention_ref(q, k, v, causal, upcast=False)
@@ -56,7 +58,7 @@ for head_dim in HEAD_DIMS or (64, 96, 128, 192, 256):
                            seqlen_q, seqlen_k)
             x = q.detach()
             kernelgen.flash_attn_func(x, k.detach(), v.detach(), causal=causal, window_size=(5, 3))
-            if not MASK_MODS:  # the score_mod specs
+            if MASK_MODS is None:  # the score_mod specs
                 kernelgen.flash_attn_func(x, k.detach(), v.detach(), causal=causal, softcap=4.0)
                 # ALiBi's forward passes the mods unclamped indices (it reads no per-token tensor).
                 slopes = torch.rand(4, device="cuda", dtype=torch.float32)

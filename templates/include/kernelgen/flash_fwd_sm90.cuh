@@ -600,7 +600,8 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
 
     // Block i's first key, read before the wait for its S where that is a load (a block mask's
     // list): issued between the QK^T and the wait, `early` is what the wait would else stall on.
-    // Else computed where it is used, as the plain kernels always have.
+    // Else computed after the wait, where the plain kernels always have: taking col0(i) before
+    // the wait for every kernel would be simpler, but it changes the plain kernels' SASS.
     const auto early_col0 = [&](int i) { return Mods::kBlockSparse ? col0(i) : 0; };
     const auto block_col0 = [&](int i, int early) { return Mods::kBlockSparse ? early : col0(i); };
     // Block i's mask_mod bits, called between the issue of its QK^T and the wait for it.
