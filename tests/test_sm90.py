@@ -345,8 +345,8 @@ def test_a_tune_key_with_a_default(write_spec):
 def test_a_tune_key_added_later_may_be_left_out():
     """Configs from before q_buffers (shipped tuned defaults, tuning DBs, callers) mean 1."""
     old = {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 1}
-    assert SPEC.parse_config(old) == SPEC.parse_config({**old, "q_buffers": 1})
-    assert dict(SPEC.space)["q_buffers"] == (1, 2)
+    assert SPEC.parse_config(old) == SPEC.parse_config({**old, "q_buffers": 1, "sum_mma": 0})
+    assert dict(SPEC.space)["q_buffers"] == (1, 2) and dict(SPEC.space)["sum_mma"] == (0, 1)
     variant = SPEC.variant(head_dim=128, dtype="bf16", causal=False)
     for config in SPEC.valid_configs(variant):   # a second Q buffer only for a persistent CTA
         assert config["q_buffers"] == 1 or (config["persistent"] and config["schedule"] > 0)

@@ -156,6 +156,17 @@ CASES = [
      {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 2}, False),
     (96, torch.bfloat16, True, (1, 600, 130, 2, 2),    # three consumers
      {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 2}, True),
+    # sum_mma: the row sums from the P V wgmma (N = 72, its last 8 columns the panel of ones,
+    # reached through each stage's own leading offset): every schedule, 2 and 3 stages, rows
+    # that see no key (l = 0), persistent with the TMA store, and fp16's ones.
+    (64, torch.bfloat16, False, (2, 200, 517, 2, 1),
+     {"block_m": 128, "block_n": 64, "stages": 3, "schedule": 0, "persistent": 0, "sum_mma": 1}, True),
+    (64, torch.float16, True, (1, 300, 130, 2, 2),
+     {"block_m": 128, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 2,
+      "sum_mma": 1}, False),
+    (64, torch.bfloat16, True, (1, 250, 400, 3, 1),
+     {"block_m": 192, "block_n": 112, "stages": 3, "schedule": 1, "persistent": 2, "q_buffers": 2,
+      "sum_mma": 1}, True),
 ]
 
 

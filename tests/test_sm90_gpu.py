@@ -88,6 +88,13 @@ CONFIGS = [
     (64, {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 2}),
     (96, {"block_m": 128, "block_n": 128, "stages": 3, "schedule": 0, "persistent": 2}),
     (256, {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 1, "persistent": 2}),
+    # sum_mma (the row sums from the P V wgmma, head_dim 64): the shipped kinds of config, each
+    # schedule, a CTA per tile and persistent, 2 and 3 consumers.
+    (64, {"block_m": 192, "block_n": 144, "stages": 2, "schedule": 0, "persistent": 0, "sum_mma": 1}),
+    (64, {"block_m": 192, "block_n": 112, "stages": 3, "schedule": 2, "persistent": 1, "q_buffers": 2,
+          "sum_mma": 1}),
+    (64, {"block_m": 128, "block_n": 176, "stages": 3, "schedule": 1, "persistent": 2, "q_buffers": 2,
+          "sum_mma": 1}),
 ]
 
 

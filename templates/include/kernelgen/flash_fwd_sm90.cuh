@@ -57,7 +57,7 @@ namespace kg {
 // SCHEDULE 0: plain (QK^T, softmax, PV in turn); 1: intra-warpgroup overlap; 2: overlap plus
 // pingpong between the consumer warpgroups (see sm90_consume).
 template <class Elem_, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool CAUSAL,
-          int SCHEDULE, int PERSISTENT, int Q_BUFFERS, class QkGemm_, class PvGemm_>
+          int SCHEDULE, int PERSISTENT, int Q_BUFFERS, int SUM_MMA, class QkGemm_, class PvGemm_>
 struct Sm90Config {
     using Elem = Elem_;
     using QkGemm = QkGemm_;
@@ -71,6 +71,10 @@ struct Sm90Config {
     static constexpr bool kDynamic = PERSISTENT == 2;    // ... claimed from a counter (TileQueue)
     static constexpr int kQBuffers = Q_BUFFERS;        // Q tiles used in turn by successive tiles
     static constexpr bool kTmaStore = Q_BUFFERS == 2;  // O stored from its Q buffer by TMA
+    // The row sums of P from the P V wgmma: N = HEAD_DIM + 8, B's last 8 columns read a panel of
+    // ones (kOffOnes), so accumulators kHeadDim / 2 .. + 3 hold each row's sum, rescaled with O.
+    static constexpr bool kSumMma = SUM_MMA != 0;
+    static constexpr int kAccO = (HEAD_DIM + (kSumMma ? 8 : 0)) / 2;  // O's fp32 per thread
     static constexpr int kConsumers = BLOCK_M / 64;          // one warpgroup per 64 query rows
     static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
     // Per-thread register budgets after setmaxnreg (FA3's: 24/240 for 2 consumers, 32/160 for 3).
@@ -82,7 +86,8 @@ struct Sm90Config {
     static constexpr int kStepsPerPanel = kPanel / 16;              // k16 steps inside a panel
     static constexpr u32 kTileQ = BLOCK_M * HEAD_DIM * 2, kTileKV = BLOCK_N * HEAD_DIM * 2;
     static constexpr u32 kOffK = Q_BUFFERS * kTileQ, kOffV = kOffK + STAGES * kTileKV;
-    static constexpr u32 kOffBarriers = kOffV + STAGES * kTileKV;
+    static constexpr u32 kOffOnes = kOffV + STAGES * kTileKV;  // sum_mma: BLOCK_N rows of ones
+    static constexpr u32 kOffBarriers = kOffOnes + (kSumMma ? BLOCK_N * kSwizzle : 0);
     // full_q[], empty_q[] (one per Q buffer), full_k[], empty_k[], full_v[], empty_v[], and
     // (dynamic) full_t[2], empty_t[2] of the tile queue, whose two slots follow the barriers.
     static constexpr int kBarriers = 2 * Q_BUFFERS + 4 * STAGES + (kDynamic ? 4 : 0);
@@ -95,6 +100,7 @@ struct Sm90Config {
     static_assert(kTileQ % 1024 == 0 && kTileKV % 1024 == 0, "every panel stays 1024-aligned");
     static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "register file");
     static_assert(STAGES >= 2, "a ring of one stage cannot overlap loads with math");
+    static_assert(!kSumMma || HEAD_DIM == 64, "sum_mma: the ones are the panel after V's one");
     static_assert(SCHEDULE >= 0 && SCHEDULE <= 2, "plain, overlapped, overlapped + pingpong");
     static_assert(PERSISTENT >= 0 && PERSISTENT <= 2, "a CTA per tile, static or dynamic loop");
     static_assert(Q_BUFFERS == 1 || (Q_BUFFERS == 2 && PERSISTENT),
@@ -279,7 +285,7 @@ __device__ __forceinline__ void issue_qk(float (&acc_s)[C::kBlockN / 2], u64 des
 // O += P V for one KV block, one wgmma group: BLOCK_N / 16 k-steps of 16 V rows (16 * SWIZZLE
 // bytes) each. P is read from registers while it runs: it must not change until the group is done.
 template <class C>
-__device__ __forceinline__ void issue_pv(float (&acc_o)[C::kHeadDim / 2],
+__device__ __forceinline__ void issue_pv(float (&acc_o)[C::kAccO],
                                          const u32 (&p)[C::kBlockN / 16][4], u64 desc_v) {
     #pragma unroll
     for (int kk = 0; kk < C::kBlockN / 16; ++kk)
@@ -504,16 +510,17 @@ __device__ __forceinline__ void softmax_step(float (&acc_s)[C::kBlockN / 2], flo
             for (int j = 0; j < 2; ++j) {
                 float& x = acc_s[4 * i + 2 * h + j];
                 x = exp2_approx(fmaf(x, scale_log2, -m_scaled));
-                sum += x;
+                if constexpr (!C::kSumMma) sum += x;  // else the P V wgmma sums P
             }
-        row_sum[h] = row_sum[h] * alpha[h] + sum;  // per-lane partial; the quad reduces at the end
+        if constexpr (!C::kSumMma)
+            row_sum[h] = row_sum[h] * alpha[h] + sum;  // per-lane partial; the quad reduces at the end
     }
 }
 
 template <class C>
-__device__ __forceinline__ void rescale_o(float (&acc_o)[C::kHeadDim / 2], const float (&alpha)[2]) {
+__device__ __forceinline__ void rescale_o(float (&acc_o)[C::kAccO], const float (&alpha)[2]) {
     #pragma unroll
-    for (int i = 0; i < C::kHeadDim / 8; ++i)
+    for (int i = 0; i < C::kAccO / 4; ++i)  // with sum_mma the row sums too
         #pragma unroll
         for (int e = 0; e < 4; ++e) acc_o[4 * i + e] *= alpha[e / 2];
 }
@@ -568,7 +575,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     float* lse = a.lse + (i64(w.batch) * a.heads + w.head) * a.seqlen_q + row0;
     using Elem = typename C::Elem;
     constexpr int kSw = C::kSwizzle;
-    constexpr int kAccS = C::kBlockN / 2, kAccO = C::kHeadDim / 2;  // fp32 registers per thread
+    constexpr int kAccS = C::kBlockN / 2, kAccO = C::kAccO;  // fp32 registers per thread
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
 
     const int slot = q_slot<C>(tile);
@@ -576,11 +583,18 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     // Descriptors of each operand's first k16 step; steps and stages add their byte offset >> 4.
     const u64 desc_q = desc_k_major<kSw>(smem_u32 + slot * C::kTileQ + wg * 64 * kSw);
     const u64 desc_k = desc_k_major<kSw>(smem_u32 + C::kOffK);
-    const u64 desc_v = desc_mn_major<kSw>(smem_u32 + C::kOffV, C::kBlockN * kSw);
+    // With sum_mma the leading offset is the distance from stage 0's V to the ones panel, and
+    // each stage's descriptor takes its offset off that distance again (stage_desc_v).
+    const u64 desc_v = desc_mn_major<kSw>(smem_u32 + C::kOffV,
+                                          C::kSumMma ? C::kOffOnes - C::kOffV : C::kBlockN * kSw);
     const auto stage = [it0](int i) { return (it0 + i) % C::kStages; };
     const auto parity = [it0](int i) { return u32((it0 + i) / C::kStages) & 1; };
     const auto stage_desc = [it0](u64 desc, int i) {
         return desc + (((it0 + i) % C::kStages) * C::kTileKV >> 4);
+    };
+    const auto stage_desc_v = [it0](u64 desc, int i) {
+        const u64 offset = ((it0 + i) % C::kStages) * C::kTileKV >> 4;
+        return C::kSumMma ? desc + offset - (offset << 16) : desc + offset;
     };
     const auto col0 = [&w](int i) { return w.col0(i, C::kBlockN); };
 
@@ -655,7 +669,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             mbarrier_wait(bar.full_v(stage(i)), parity(i));
             fence_pv_operands();
             wgmma_fence();
-            issue_pv<C>(acc_o, p, stage_desc(desc_v, i));
+            issue_pv<C>(acc_o, p, stage_desc_v(desc_v, i));
             wgmma_wait<0>();
             fence_operands(acc_o);
             if (lane == 0) mbarrier_arrive(bar.empty_v(stage(i)));
@@ -687,7 +701,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             wgmma_fence();
             issue_qk<C>(acc_s, desc_q, stage_desc(desc_k, i));
             mbarrier_wait(bar.full_v(stage(i - 1)), parity(i - 1));
-            issue_pv<C>(acc_o, p, stage_desc(desc_v, i - 1));
+            issue_pv<C>(acc_o, p, stage_desc_v(desc_v, i - 1));
             turns.release(false);
             const int c0 = early_col0(i);
             const ModBits<C> bits = mask_bits(i, c0);
@@ -705,7 +719,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         turns.acquire();
         fence_pv_operands();
         wgmma_fence();
-        issue_pv<C>(acc_o, p, stage_desc(desc_v, last));
+        issue_pv<C>(acc_o, p, stage_desc_v(desc_v, last));
         turns.release(is_final());
         wgmma_wait<0>();
         fence_operands(acc_o);
@@ -720,8 +734,12 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
         float l = row_sum[h];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        if constexpr (C::kSumMma) {
+            l = acc_o[C::kHeadDim / 2 + 2 * h];  // the whole row's sum, in every lane of the quad
+        } else {
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+        }
         const bool empty = !(l > 0.f);
         const float inv = empty ? 0.f : 1.f / l;
         const int r = wg * 64 + warp * 16 + lane / 4 + 8 * h;  // row inside the tile
@@ -812,6 +830,13 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
                 mbarrier_init(bar.empty_t(j), 4 * C::kConsumers);
             }
         mbarrier_fence_init();
+    }
+    if constexpr (C::kSumMma) {
+        // sum_mma's panel of ones, written once; wgmma reads it through the async proxy.
+        const u32 one = pack2<typename C::Elem>(1.f, 1.f);
+        for (u32 i = threadIdx.x; i < C::kBlockN * C::kSwizzle / 16; i += C::kThreads)
+            reinterpret_cast<uint4*>(tiles + C::kOffOnes)[i] = uint4{one, one, one, one};
+        fence_proxy_async_shared();
     }
     __syncthreads();  // the last CTA-wide barrier: the producer's idle threads exit below
 
