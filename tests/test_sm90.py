@@ -270,6 +270,60 @@ def test_sass_of_a_warp_specialized_wgmma_kernel(built, variant, config):
     assert binary.registers <= 65536 // (128 * (config["block_m"] // 64 + 1))
 
 
+# ---- every shipped tuned config: what flash_attn_func and the mods run on an H200 ----------------
+
+def _shipped_forward_configs():
+    """(spec, variant, config) of every entry of the shipped tuning table for this family and the
+    mods specs put onto it, each kernel once."""
+    import json
+    import re
+    from pathlib import Path
+
+    table = Path(__file__).resolve().parent.parent / "kernelgen" / "data" / "tuned_defaults.json"
+    found = {}
+    for entry in json.loads(table.read_text())["entries"]:
+        child, _, onto = entry["spec"].partition("__")
+        if entry["spec"] != SPEC.name and onto != SPEC.name:
+            continue
+        spec = load_spec(child, onto=onto or None)
+        head_dim, dtype, causal = re.fullmatch(r"head_dim(\d+)_dtype(\w+?)_causal(\d)",
+                                               entry["variant"]).groups()
+        variant = spec.variant(entry["arch"], head_dim=int(head_dim), dtype=dtype,
+                               causal=causal == "1")
+        config = spec.parse_config(entry["config"])
+        found[(spec.name, variant.slug, config.slug)] = (spec, variant, config)
+    return list(found.values())
+
+
+SHIPPED = _shipped_forward_configs()
+
+
+def test_every_shipped_tuned_config_compiles_clean():
+    """The tuned table is what users run: a template change that makes one of its configs spill,
+    serialize its wgmmas or stop compiling would slow them silently (the tuner dropped such configs
+    when it measured; nothing rechecks them later). sum_mma's configs: P V as m64n72k16."""
+    assert len(SHIPPED) > 20 and any(c["sum_mma"] for _, _, c in SHIPPED)
+
+    def compile_one(item):
+        spec, variant, config = item
+        source = render.render(spec, variant, config)
+        binary = compiler.compile_source(source.text, source.name, source.entry, variant.arch)
+        return source.name, config, binary, sass.sass(binary.cubin)
+
+    problems = []
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        for name, config, binary, code in pool.map(compile_one, SHIPPED):
+            if (binary.spill_stores, binary.spill_loads, binary.stack_bytes) != (0, 0, 0) \
+                    or sass.has_local_memory(code):
+                problems.append(f"{name}: spills or local memory")
+            if "(C75" in binary.log:
+                problems.append(f"{name}: {binary.log}")
+            pv = code.count("HGMMA.64x72x16")
+            if (pv > 0) != bool(config["sum_mma"]):
+                problems.append(f"{name}: {pv} m64n72 wgmmas with sum_mma {config['sum_mma']}")
+    assert not problems, "\n".join(problems)
+
+
 # ---- dispatch: which family flash_attn_func runs ------------------------------------------------
 
 def test_the_forward_family_follows_the_gpu_unless_forced(monkeypatch):
