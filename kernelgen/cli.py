@@ -56,8 +56,9 @@ def _check_arch(spec: KernelSpec, arch: str) -> list[str]:
             problems.append(str(exc))
             print(f"    {variant.slug:<36} ERROR")
             continue
-        valid = len(spec.valid_configs(variant))
-        print(f"    {variant.slug:<36} {config.slug}  ({valid} valid configs)")
+        valid, tuned = len(spec.valid_configs(variant)), len(spec.tuned_configs(variant))
+        skipped = f", {valid - tuned} skipped by the tuner" if valid != tuned else ""
+        print(f"    {variant.slug:<36} {config.slug}  ({valid} valid configs{skipped})")
     return problems
 
 

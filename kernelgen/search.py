@@ -85,9 +85,10 @@ class DeviceLimit(Exception):
 
 
 def prune(spec: KernelSpec, variant: Variant, limits: DeviceLimits) -> tuple[list[Config], list[Trial]]:
-    """The spec's valid configs that fit the device, and a trial for each one that does not."""
+    """The spec's valid configs that fit the device (less its tune.skip ones), and a trial for each
+    one that does not."""
     kept, rejected = [], []
-    for config in spec.valid_configs(variant):
+    for config in spec.tuned_configs(variant):
         values = spec.environment(variant, config)
         threads = math.prod(int(e(values)) for e in spec.block)
         smem = int(spec.smem(values))

@@ -242,6 +242,9 @@ class KernelSpec:
     # Tune keys a config may leave out, and the value that stands for them: a key added to a
     # space later (tuned defaults, tuning DBs and callers' configs written before it lack it).
     space_defaults: tuple[tuple[str, int], ...] = ()
+    # tune.skip: valid configs the tuner does not try (a way not yet measured, say); a caller's
+    # explicit config may still use them.
+    skip: tuple[Expr, ...] = ()
 
     def _at(self, key: str = "") -> _At:
         return _At(_display(self.path), key)
@@ -294,6 +297,11 @@ class KernelSpec:
 
     def valid_configs(self, variant: Variant) -> list[Config]:
         return [c for c in self.configs() if not self.violations(variant, c)]
+
+    def tuned_configs(self, variant: Variant) -> list[Config]:
+        """The valid configs the tuner searches: those no `tune.skip` condition holds for."""
+        return [c for c in self.valid_configs(variant)
+                if not any(e(self.environment(variant, c)) for e in self.skip)]
 
     def default_config(self, variant: Variant) -> Config:
         for when, config in self.defaults:
@@ -643,13 +651,15 @@ def _derived(value, at: _At, names: _Names) -> tuple[tuple[str, Expr], ...]:
 def _rules(tune: dict, at: _At, space, known: list[str], space_defaults=()):
     constraints = _list(tune.get("constraints", []), at["constraints"], nonempty=False)
     constraints = tuple(_formula(v, at["constraints"][i], known) for i, v in enumerate(constraints))
+    skip = _list(tune.get("skip", []), at["skip"], nonempty=False)
+    skip = tuple(_formula(v, at["skip"][i], known) for i, v in enumerate(skip))
     defaults = []
     for i, rule in enumerate(_list(tune.get("defaults", []), at["defaults"], nonempty=False)):
         rule_at = at["defaults"][i]
         rule = _keys(rule, rule_at, ("config",), ("when",))
         defaults.append((_formula(rule.get("when", "true"), rule_at["when"], known),
                          _config(space, rule["config"], rule_at["config"], space_defaults)))
-    return constraints, tuple(defaults)
+    return constraints, tuple(defaults), skip
 
 
 # Known only when launching, on the device at hand: grid expressions may use it (a persistent
@@ -671,7 +681,7 @@ def _parse(path: Path, text: bytes, onto: str | None = None) -> KernelSpec:
     names = _Names()
     params = tuple(_param(names.define(key, at["params"][key]), value, at["params"][key])
                    for key, value in _mapping(top["params"], at["params"]).items())
-    tune = _keys(top["tune"], at["tune"], ("space",), ("constraints", "defaults"))
+    tune = _keys(top["tune"], at["tune"], ("space",), ("constraints", "defaults", "skip"))
     space_at = at["tune"]["space"]
     keys = {names.define(key, space_at[key]): _space_values(values, space_at[key])
             for key, values in _mapping(tune["space"], space_at).items()}
@@ -680,7 +690,7 @@ def _parse(path: Path, text: bytes, onto: str | None = None) -> KernelSpec:
                            if default is not None)
     derived = _derived(top.get("derived", {}), at["derived"], names)
     known = [*names.defined, "max_smem", "arch_number"]
-    constraints, defaults = _rules(tune, at["tune"], space, known, space_defaults)
+    constraints, defaults, skip = _rules(tune, at["tune"], space, known, space_defaults)
 
     args = _list(top["args"], at["args"], nonempty=False)
     args = tuple(_arg(v, at["args"][i]) for i, v in enumerate(args))
@@ -704,6 +714,7 @@ def _parse(path: Path, text: bytes, onto: str | None = None) -> KernelSpec:
         archs=_archs(top["archs"], at["archs"]), params=params, args=args, derived=derived,
         space=space, constraints=constraints, defaults=defaults, grid=grid, block=block,
         smem=smem, content_hash=digest.hexdigest(), mods=mods, space_defaults=space_defaults,
+        skip=skip,
     )
 
 

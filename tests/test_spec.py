@@ -135,6 +135,20 @@ def test_toy_defaults_follow_rule_order(write_spec):
     assert pick(width=32) == {"block": 16, "warps": 4}              # no rule: first valid config
 
 
+def test_tune_skip_leaves_valid_configs_out_of_the_search(write_spec):
+    def skip_one(doc):
+        doc["tune"]["skip"] = ["block == 32 and warps == 8"]
+    spec = load_spec(write_spec(skip_one))
+    variant = spec.variant(width=32)
+    skipped = spec.parse_config({"block": 32, "warps": 8})
+    assert skipped in spec.valid_configs(variant) and not spec.violations(variant, skipped)
+    assert skipped not in spec.tuned_configs(variant)
+    assert len(spec.tuned_configs(variant)) == len(spec.valid_configs(variant)) - 1
+    assert load_spec(write_spec()).tuned_configs(variant) == spec.valid_configs(variant)
+    with pytest.raises(SpecError, match=r"tune\.skip\[0\].*unknown name 'blocks'"):
+        load_spec(write_spec(lambda doc: doc["tune"].update(skip=["blocks == 64"])))
+
+
 def test_toy_default_rule_that_does_not_fit_the_arch_is_skipped(write_spec):
     def widen_first_rule(doc):
         doc["tune"]["defaults"][0]["when"] = "width >= 64"
