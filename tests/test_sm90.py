@@ -241,17 +241,24 @@ BUILDS = [(v, SPEC.default_config(v)) for v in BF16_VARIANTS] + [
     for d, c, cfg in OTHER_CONFIGS]
 
 
-@pytest.fixture(scope="module")
-def built():
-    """Those kernels, compiled once (NVRTC releases the GIL: threads run in parallel)."""
+def compile_all(builds) -> list[tuple[str, Binary, str]]:
+    """(source name, binary, SASS) of each (spec, variant, config), compiled in threads (NVRTC
+    releases the GIL)."""
     def compile_one(build):
-        variant, config = build
-        source = render.render(SPEC, variant, config)
+        spec, variant, config = build
+        source = render.render(spec, variant, config)
         binary = compiler.compile_source(source.text, source.name, source.entry, variant.arch)
         return source.name, binary, sass.sass(binary.cubin)
 
     with ThreadPoolExecutor(os.cpu_count()) as pool:
-        return {name: (binary, code) for name, binary, code in pool.map(compile_one, BUILDS)}
+        return list(pool.map(compile_one, builds))
+
+
+@pytest.fixture(scope="module")
+def built():
+    """Those kernels, compiled once."""
+    return {name: (binary, code)
+            for name, binary, code in compile_all([(SPEC, v, c) for v, c in BUILDS])}
 
 
 @pytest.mark.parametrize("variant, config", BUILDS,
@@ -286,7 +293,6 @@ def _shipped_forward_configs():
     """(spec, variant, config) of every entry of the shipped tuning table for this family and the
     mods specs put onto it, each kernel once."""
     import json
-    import re
     from pathlib import Path
 
     table = Path(__file__).resolve().parent.parent / "kernelgen" / "data" / "tuned_defaults.json"
@@ -296,10 +302,7 @@ def _shipped_forward_configs():
         if entry["spec"] != SPEC.name and onto != SPEC.name:
             continue
         spec = load_spec(child, onto=onto or None)
-        head_dim, dtype, causal = re.fullmatch(r"head_dim(\d+)_dtype(\w+?)_causal(\d)",
-                                               entry["variant"]).groups()
-        variant = spec.variant(entry["arch"], head_dim=int(head_dim), dtype=dtype,
-                               causal=causal == "1")
+        variant = next(v for v in spec.variants([entry["arch"]]) if v.slug == entry["variant"])
         config = spec.parse_config(entry["config"])
         found[(spec.name, variant.slug, config.slug)] = (spec, variant, config)
     return list(found.values())
@@ -314,23 +317,16 @@ def test_every_shipped_tuned_config_compiles_clean():
     when it measured; nothing rechecks them later). sum_mma's configs: wgmmas of the sums."""
     assert len(SHIPPED) > 20 and any(c["sum_mma"] for _, _, c in SHIPPED)
 
-    def compile_one(item):
-        spec, variant, config = item
-        source = render.render(spec, variant, config)
-        binary = compiler.compile_source(source.text, source.name, source.entry, variant.arch)
-        return source.name, config, binary, sass.sass(binary.cubin)
-
     problems = []
-    with ThreadPoolExecutor(os.cpu_count()) as pool:
-        for name, config, binary, code in pool.map(compile_one, SHIPPED):
-            if (binary.spill_stores, binary.spill_loads, binary.stack_bytes) != (0, 0, 0) \
-                    or sass.has_local_memory(code):
-                problems.append(f"{name}: spills or local memory")
-            if "(C75" in binary.log:
-                problems.append(f"{name}: {binary.log}")
-            pv = code.count("HGMMA.64x72x16") + code.count("HGMMA.64x8x16")
-            if (pv > 0) != bool(config["sum_mma"]):
-                problems.append(f"{name}: {pv} wgmmas of the sums with sum_mma {config['sum_mma']}")
+    for (_, _, config), (name, binary, code) in zip(SHIPPED, compile_all(SHIPPED)):
+        if (binary.spill_stores, binary.spill_loads, binary.stack_bytes) != (0, 0, 0) \
+                or sass.has_local_memory(code):
+            problems.append(f"{name}: spills or local memory")
+        if "(C75" in binary.log:
+            problems.append(f"{name}: {binary.log}")
+        pv = code.count("HGMMA.64x72x16") + code.count("HGMMA.64x8x16")
+        if (pv > 0) != bool(config["sum_mma"]):
+            problems.append(f"{name}: {pv} wgmmas of the sums with sum_mma {config['sum_mma']}")
     assert not problems, "\n".join(problems)
 
 

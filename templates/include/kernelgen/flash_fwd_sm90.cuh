@@ -608,9 +608,9 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     const auto stage_desc = [it0](u64 desc, int i) {
         return desc + (((it0 + i) % C::kStages) * C::kTileKV >> 4);
     };
-    const auto stage_desc_v = [it0](u64 desc, int i) {
-        const u64 offset = ((it0 + i) % C::kStages) * C::kTileKV >> 4;
-        return C::kSumWide ? desc + offset - (offset << 16) : desc + offset;
+    const auto stage_desc_v = [&](u64 desc, int i) {
+        const u64 stepped = stage_desc(desc, i);
+        return C::kSumWide ? stepped - ((stepped - desc) << 16) : stepped;
     };
     const auto col0 = [&w](int i) { return w.col0(i, C::kBlockN); };
 
