@@ -2,7 +2,7 @@
 default) config as it is and with KEY set to each of VALUES, timed in interleaved rounds in one
 process, every output checked against the float32 reference (FlashAttention's rule).
 
-    python tools/config_ab.py --key schedule --values 1 2 [--head-dims 64 128]
+    python tools/config_ab.py [--key schedule --values 1 2] [--head-dims 64 128]
                               [--seqlens 1024 4096 16384] [--causal both] [--rounds 3]
                               [--config '{"block_n": 128}']   (overrides on every shape's config)
                               [--mod softcap|alibi|window|document]   (that mods spec instead)
@@ -100,8 +100,9 @@ def captured(fn) -> torch.cuda.CUDAGraph:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--key", required=True, help="a tune key of flash_attn_fwd_sm90")
-    p.add_argument("--values", type=int, nargs="+", required=True)
+    p.add_argument("--key", help="a tune key of flash_attn_fwd_sm90 (none: the shipped configs "
+                   "alone, to compare source trees)")
+    p.add_argument("--values", type=int, nargs="+", default=[])
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--causal", choices=["both", "true", "false"], default="both")
@@ -121,7 +122,7 @@ def main() -> None:
                                        dtype=torch.bfloat16) for _ in range(3))
                 case = Case(opts.mod, head_dim, causal, batch, seqlen, heads)
                 base = {**case.shipped(batch, seqlen, heads), **opts.config}
-                configs = [{**base, opts.key: value} for value in opts.values]
+                configs = [{**base, opts.key: value} for value in opts.values] if opts.key else [base]
                 variant = case.spec.variant(arch="sm_90a", **case.params)
                 invalid = [problem for c in configs
                            for problem in case.spec.violations(variant, case.spec.parse_config(c))]
@@ -140,7 +141,7 @@ def main() -> None:
                 cells = " ".join(f"{t:7.1f} {t / tflops[0]:.3f}x" for t in tflops)
                 print(f"hd{head_dim} {'causal' if causal else 'full'} {seqlen}: {cells}  "
                       f"{' | '.join(checks)}  base {base}", flush=True)
-    print(f"\n{opts.key}: " + " ".join(str(v) for v in opts.values))
+    print(f"\n{opts.key or 'shipped'}: " + " ".join(str(v) for v in opts.values))
     for head_dim, causal, seqlen, _, tflops, checks in rows:
         print(f"hd{head_dim:<4} {'causal' if causal else 'full':6} {seqlen:>6} "
               + " ".join(f"{t:7.1f} {t / tflops[0]:5.3f}x" for t in tflops)

@@ -504,12 +504,22 @@ template <class C>
 __device__ __forceinline__ void softmax_step(float (&acc_s)[C::kBlockN / 2], float (&row_max)[2],
                                              float (&row_sum)[2], float scale_log2,
                                              float (&alpha)[2]) {
+    // A row's max over this thread's block_n / 4 scores runs as kParts independent chains and
+    // then a tree: one chain of dependent FMNMX made every exp2 wait out block_n / 8 FMNMX
+    // latencies (PERF_NOTES §30: hd64 +1-5% at >= 4k). The sum stays one chain: it runs behind
+    // the MUFU.EX2 that feed it, and split into parts it measured 1-3% slower at hd64.
+    constexpr int kParts = 4, kPairs = C::kBlockN / 8;
+    static_assert(kPairs >= kParts, "block_n >= 32");
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        float mx = row_max[h];
+        float part[kParts];
         #pragma unroll
-        for (int i = 0; i < C::kBlockN / 8; ++i)
-            mx = fmaxf(mx, fmaxf(acc_s[4 * i + 2 * h], acc_s[4 * i + 2 * h + 1]));
+        for (int i = 0; i < kPairs; ++i) {
+            const float pair = fmaxf(acc_s[4 * i + 2 * h], acc_s[4 * i + 2 * h + 1]);
+            part[i % kParts] = i < kParts ? pair : fmaxf(part[i % kParts], pair);
+        }
+        float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
+        mx = fmaxf(mx, row_max[h]);
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         // A row that has seen only masked keys keeps m = -inf: use 0 so that (-inf) - (-inf)
@@ -519,7 +529,7 @@ __device__ __forceinline__ void softmax_step(float (&acc_s)[C::kBlockN / 2], flo
         row_max[h] = mx;
         float sum = 0.f;
         #pragma unroll
-        for (int i = 0; i < C::kBlockN / 8; ++i)
+        for (int i = 0; i < kPairs; ++i)
             #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 float& x = acc_s[4 * i + 2 * h + j];
