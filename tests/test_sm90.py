@@ -228,13 +228,9 @@ OTHER_CONFIGS = [  # (head_dim, causal, config)
                 "q_buffers": 2}),
     (96, True, {"block_m": 128, "block_n": 128, "stages": 3, "schedule": 1, "persistent": 1,
                 "q_buffers": 2}),
-    # The row sums from the tensor cores: P V with N = 72 (sum_mma 1), a separate m64n8k16 (2).
+    # The row sums from the tensor cores: P V with N = 72 (sum_mma).
     (64, False, {"block_m": 192, "block_n": 144, "stages": 2, "schedule": 0, "persistent": 0,
                  "sum_mma": 1}),
-    (128, False, {"block_m": 128, "block_n": 144, "stages": 2, "schedule": 2, "persistent": 1,
-                  "q_buffers": 2, "sum_mma": 2}),
-    (96, True, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2,
-                "sum_mma": 2}),
 ]
 BUILDS = [(v, SPEC.default_config(v)) for v in BF16_VARIANTS] + [
     (SPEC.variant(head_dim=d, dtype="bf16", causal=c), SPEC.parse_config(cfg))
@@ -269,11 +265,11 @@ def test_sass_of_a_warp_specialized_wgmma_kernel(built, variant, config):
     found = sass.mnemonics(code)
     # head_dim / 16 QK^T steps and block_n / 16 PV steps per KV block, all wgmma; the overlapped
     # schedules unroll a prologue QK^T and an epilogue PV besides the loop's.
-    pv_steps = config["block_n"] // 16 * (2 if config["sum_mma"] == 2 else 1)  # + the sums'
-    gemm_steps = variant["head_dim"] // 16 + pv_steps
+    gemm_steps = variant["head_dim"] // 16 + config["block_n"] // 16
     assert found["HGMMA"] == gemm_steps * (1 if config["schedule"] == 0 else 2)
-    sums = {0: "", 1: f"HGMMA.64x{variant['head_dim'] + 8}x16", 2: "HGMMA.64x8x16"}[config["sum_mma"]]
-    assert not sums or code.count(sums) == config["block_n"] // 16 * (1 if config["schedule"] == 0 else 2)
+    wide = code.count(f"HGMMA.64x{variant['head_dim'] + 8}x16")  # sum_mma: P V's N + 8
+    assert wide == (config["block_n"] // 16 * (1 if config["schedule"] == 0 else 2)
+                    if config["sum_mma"] else 0)
     assert found["USETMAXREG"] == 2         # the producer's dec and the consumers' inc
     assert found["UTMALDG"] == 3            # Q, K and V, each one TMA load per tile
     # q_buffers 2: O by TMA stores, one per panel of head_dim (a warpgroup's rows of a panel).
@@ -314,7 +310,7 @@ SHIPPED = _shipped_forward_configs()
 def test_every_shipped_tuned_config_compiles_clean():
     """The tuned table is what users run: a template change that makes one of its configs spill,
     serialize its wgmmas or stop compiling would slow them silently (the tuner dropped such configs
-    when it measured; nothing rechecks them later). sum_mma's configs: wgmmas of the sums."""
+    when it measured; nothing rechecks them later). sum_mma's configs: P V as m64n72k16."""
     assert len(SHIPPED) > 20 and any(c["sum_mma"] for _, _, c in SHIPPED)
 
     problems = []
@@ -324,9 +320,9 @@ def test_every_shipped_tuned_config_compiles_clean():
             problems.append(f"{name}: spills or local memory")
         if "(C75" in binary.log:
             problems.append(f"{name}: {binary.log}")
-        pv = code.count("HGMMA.64x72x16") + code.count("HGMMA.64x8x16")
+        pv = code.count("HGMMA.64x72x16")
         if (pv > 0) != bool(config["sum_mma"]):
-            problems.append(f"{name}: {pv} wgmmas of the sums with sum_mma {config['sum_mma']}")
+            problems.append(f"{name}: {pv} m64n72 wgmmas with sum_mma {config['sum_mma']}")
     assert not problems, "\n".join(problems)
 
 
@@ -406,7 +402,7 @@ def test_a_tune_key_added_later_may_be_left_out():
     """Configs from before q_buffers (shipped tuned defaults, tuning DBs, callers) mean 1."""
     old = {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 1}
     assert SPEC.parse_config(old) == SPEC.parse_config({**old, "q_buffers": 1, "sum_mma": 0})
-    assert dict(SPEC.space)["q_buffers"] == (1, 2) and dict(SPEC.space)["sum_mma"] == (0, 1, 2)
+    assert dict(SPEC.space)["q_buffers"] == (1, 2) and dict(SPEC.space)["sum_mma"] == (0, 1)
     variant = SPEC.variant(head_dim=128, dtype="bf16", causal=False)
     for config in SPEC.valid_configs(variant):   # a second Q buffer only for a persistent CTA
         assert config["q_buffers"] == 1 or (config["persistent"] and config["schedule"] > 0)

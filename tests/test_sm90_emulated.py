@@ -29,20 +29,18 @@ NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def emulated_wgmma(text: str) -> str:
-    """The template's three inline-PTX wgmma wrappers, as calls into the emulator."""
+    """The template's two inline-PTX wgmma wrappers, as calls into the emulator."""
     def replace(match):
         name, n, rest = match.group(1), int(match.group(2)) * 2, match.group(3)
-        if name == "QkGemm":    # (d, desc_q, desc_k, scale_d): SS, both K-major
+        if name == "QkGemm":  # (d, desc_q, desc_k, scale_d): SS, both K-major
             call = f"emu::wgmma<elem_t>(d, {n}, desc_q, nullptr, desc_k, scale_d != 0, false)"
-        elif name == "PvGemm":  # (d, p, desc_v): RS, V MN-major
+        else:                 # (d, p, desc_v): RS, V MN-major
             call = f"emu::wgmma<elem_t>(d, {n}, 0, p, desc_v, true, true)"
-        else:                   # SumGemm (d, p, desc_ones): RS, the ones MN-major
-            call = f"emu::wgmma<elem_t>(d, {n}, 0, p, desc_ones, true, true)"
         return f"struct {name} {{\n    static void mma(float (&d)[{n // 2}], {rest}) {{ {call}; }}\n}};"
 
-    pattern = r"struct (QkGemm|PvGemm|SumGemm) \{\n.*?mma\(float \(&d\)\[(\d+)\], (.*?)\) \{.*?\n\};"
+    pattern = r"struct (QkGemm|PvGemm) \{\n.*?mma\(float \(&d\)\[(\d+)\], (.*?)\) \{.*?\n\};"
     text, count = re.subn(pattern, replace, text, flags=re.S)
-    assert count == 3, "the template's wgmma wrappers changed shape"
+    assert count == 2, "the template's wgmma wrappers changed shape"
     return text
 
 
@@ -169,15 +167,6 @@ CASES = [
     (64, torch.bfloat16, True, (1, 250, 400, 3, 1),
      {"block_m": 192, "block_n": 112, "stages": 3, "schedule": 1, "persistent": 2, "q_buffers": 2,
       "sum_mma": 1}, True),
-    # sum_mma 2: an m64n8k16 of P and the ones after every P V step, at the head dims besides
-    # 64 (96: the kernel's 64B swizzle beside the ones' 128B one).
-    (128, torch.bfloat16, False, (2, 77, 600, 2, 1),
-     {"block_m": 128, "block_n": 144, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 2,
-      "sum_mma": 2}, True),
-    (96, torch.float16, True, (1, 300, 130, 2, 2),
-     {"block_m": 128, "block_n": 64, "stages": 3, "schedule": 0, "persistent": 0, "sum_mma": 2}, False),
-    (256, torch.bfloat16, True, (1, 250, 400, 2, 1),
-     {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 1, "persistent": 2, "sum_mma": 2}, True),
 ]
 
 

@@ -95,11 +95,6 @@ CONFIGS = [
           "sum_mma": 1}),
     (64, {"block_m": 128, "block_n": 176, "stages": 3, "schedule": 1, "persistent": 2, "q_buffers": 2,
           "sum_mma": 1}),
-    # sum_mma 2 (an m64n8k16 of P and ones per step), head dims besides 64; 96: 64B swizzle.
-    (128, {"block_m": 128, "block_n": 144, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 2,
-           "sum_mma": 2}),
-    (96, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2, "sum_mma": 2}),
-    (256, {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 1, "persistent": 0, "sum_mma": 2}),
 ]
 
 

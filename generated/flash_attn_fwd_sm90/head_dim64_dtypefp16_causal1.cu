@@ -66,25 +66,12 @@ struct PvGemm {
     }
 };
 
-// sum_mma 2: one k16 step of l += P 1, m64n8k16, P from registers, B a 16 x 8 tile of ones in
-// shared memory (the same tile every step): each row's sum of P, in all 8 columns.
-struct SumGemm {
-    __device__ __forceinline__ static void mma(float (&d)[4], const kg::u32 (&p)[4],
-                                               kg::u64 desc_ones) {
-        asm volatile(
-            "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 "
-            "{" "%0, %1, %2, %3}, {" "%4, %5, %6, %7}, %8, 1, 1, 1, 1;"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(p[0]), "r"(p[1]), "r"(p[2]), "r"(p[3]), "l"(desc_ones));
-    }
-};
-
 using Config = kg::Sm90Config<elem_t, /*HEAD_DIM=*/64, /*BLOCK_M=*/128,
                               /*BLOCK_N=*/128, /*STAGES=*/2,
                               /*CAUSAL=*/true, /*SCHEDULE=*/2,
                               /*PERSISTENT=*/0,
                               /*Q_BUFFERS=*/1, /*SUM_MMA=*/0,
-                              QkGemm, PvGemm, SumGemm>;
+                              QkGemm, PvGemm>;
 static_assert(Config::kSmemBytes == 83024, "spec's smem formula disagrees with the kernel");
 static_assert(Config::kThreads == 384, "spec's thread count disagrees with the kernel");
 static_assert(Config::kSwizzle == 128, "the host's tensor maps use the spec's swizzle");

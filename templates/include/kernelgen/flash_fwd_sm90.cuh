@@ -57,13 +57,11 @@ namespace kg {
 // SCHEDULE 0: plain (QK^T, softmax, PV in turn); 1: intra-warpgroup overlap; 2: overlap plus
 // pingpong between the consumer warpgroups (see sm90_consume).
 template <class Elem_, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool CAUSAL,
-          int SCHEDULE, int PERSISTENT, int Q_BUFFERS, int SUM_MMA, class QkGemm_, class PvGemm_,
-          class SumGemm_>
+          int SCHEDULE, int PERSISTENT, int Q_BUFFERS, int SUM_MMA, class QkGemm_, class PvGemm_>
 struct Sm90Config {
     using Elem = Elem_;
     using QkGemm = QkGemm_;
     using PvGemm = PvGemm_;
-    using SumGemm = SumGemm_;
     static constexpr int kHeadDim = HEAD_DIM, kBlockM = BLOCK_M, kBlockN = BLOCK_N;
     static constexpr int kStages = STAGES;
     static constexpr bool kCausal = CAUSAL;
@@ -73,11 +71,9 @@ struct Sm90Config {
     static constexpr bool kDynamic = PERSISTENT == 2;    // ... claimed from a counter (TileQueue)
     static constexpr int kQBuffers = Q_BUFFERS;        // Q tiles used in turn by successive tiles
     static constexpr bool kTmaStore = Q_BUFFERS == 2;  // O stored from its Q buffer by TMA
-    // The row sums of P from the tensor cores, in O's accumulators kHeadDim / 2 .. + 3 (rescaled
-    // with O): SUM_MMA 1, the P V wgmma with N = HEAD_DIM + 8, B's last 8 columns a panel of
-    // ones (kOffOnes); 2, an m64n8k16 of P and a 16 x 8 tile of ones after each P V step.
+    // The row sums of P from the P V wgmma: N = HEAD_DIM + 8, B's last 8 columns read a panel of
+    // ones (kOffOnes), so accumulators kHeadDim / 2 .. + 3 hold each row's sum, rescaled with O.
     static constexpr bool kSumMma = SUM_MMA != 0;
-    static constexpr bool kSumWide = SUM_MMA == 1;
     static constexpr int kAccO = (HEAD_DIM + (kSumMma ? 8 : 0)) / 2;  // O's fp32 per thread
     static constexpr int kConsumers = BLOCK_M / 64;          // one warpgroup per 64 query rows
     static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
@@ -90,9 +86,8 @@ struct Sm90Config {
     static constexpr int kStepsPerPanel = kPanel / 16;              // k16 steps inside a panel
     static constexpr u32 kTileQ = BLOCK_M * HEAD_DIM * 2, kTileKV = BLOCK_N * HEAD_DIM * 2;
     static constexpr u32 kOffK = Q_BUFFERS * kTileQ, kOffV = kOffK + STAGES * kTileKV;
-    static constexpr u32 kOffOnes = kOffV + STAGES * kTileKV;  // sum_mma's ones
-    static constexpr u32 kOnesBytes = kSumWide ? BLOCK_N * kSwizzle : kSumMma ? 2048 : 0;
-    static constexpr u32 kOffBarriers = kOffOnes + kOnesBytes;
+    static constexpr u32 kOffOnes = kOffV + STAGES * kTileKV;  // sum_mma: BLOCK_N rows of ones
+    static constexpr u32 kOffBarriers = kOffOnes + (kSumMma ? BLOCK_N * kSwizzle : 0);
     // full_q[], empty_q[] (one per Q buffer), full_k[], empty_k[], full_v[], empty_v[], and
     // (dynamic) full_t[2], empty_t[2] of the tile queue, whose two slots follow the barriers.
     static constexpr int kBarriers = 2 * Q_BUFFERS + 4 * STAGES + (kDynamic ? 4 : 0);
@@ -105,8 +100,7 @@ struct Sm90Config {
     static_assert(kTileQ % 1024 == 0 && kTileKV % 1024 == 0, "every panel stays 1024-aligned");
     static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "register file");
     static_assert(STAGES >= 2, "a ring of one stage cannot overlap loads with math");
-    static_assert(!kSumWide || HEAD_DIM == 64, "sum_mma 1: the ones are the panel after V's one");
-    static_assert(SUM_MMA >= 0 && SUM_MMA <= 2, "no sums, P V with N + 8, or a separate m64n8");
+    static_assert(!kSumMma || HEAD_DIM == 64, "sum_mma: the ones are the panel after V's one");
     static_assert(SCHEDULE >= 0 && SCHEDULE <= 2, "plain, overlapped, overlapped + pingpong");
     static_assert(PERSISTENT >= 0 && PERSISTENT <= 2, "a CTA per tile, static or dynamic loop");
     static_assert(Q_BUFFERS == 1 || (Q_BUFFERS == 2 && PERSISTENT),
@@ -290,20 +284,12 @@ __device__ __forceinline__ void issue_qk(float (&acc_s)[C::kBlockN / 2], u64 des
 
 // O += P V for one KV block, one wgmma group: BLOCK_N / 16 k-steps of 16 V rows (16 * SWIZZLE
 // bytes) each. P is read from registers while it runs: it must not change until the group is done.
-// sum_mma 2: each step's P also times the ones (desc_ones) into the row sums after O's accumulators.
 template <class C>
 __device__ __forceinline__ void issue_pv(float (&acc_o)[C::kAccO],
-                                         const u32 (&p)[C::kBlockN / 16][4], u64 desc_v,
-                                         u64 desc_ones) {
-    constexpr bool kSeparate = C::kSumMma && !C::kSumWide;
-    constexpr int kPvAcc = kSeparate ? C::kHeadDim / 2 : C::kAccO;  // PvGemm's accumulators
-    auto& o = reinterpret_cast<float (&)[kPvAcc]>(acc_o);
+                                         const u32 (&p)[C::kBlockN / 16][4], u64 desc_v) {
     #pragma unroll
-    for (int kk = 0; kk < C::kBlockN / 16; ++kk) {
-        C::PvGemm::mma(o, p[kk], desc_v + ((kk * 16 * C::kSwizzle) >> 4));
-        if constexpr (kSeparate)
-            C::SumGemm::mma(reinterpret_cast<float (&)[4]>(acc_o[C::kHeadDim / 2]), p[kk], desc_ones);
-    }
+    for (int kk = 0; kk < C::kBlockN / 16; ++kk)
+        C::PvGemm::mma(acc_o, p[kk], desc_v + ((kk * 16 * C::kSwizzle) >> 4));
     wgmma_commit();
 }
 
@@ -610,9 +596,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     // With sum_mma the leading offset is the distance from stage 0's V to the ones panel, and
     // each stage's descriptor takes its offset off that distance again (stage_desc_v).
     const u64 desc_v = desc_mn_major<kSw>(smem_u32 + C::kOffV,
-                                          C::kSumWide ? C::kOffOnes - C::kOffV : C::kBlockN * kSw);
-    // sum_mma 2: B of the sums, 16 x 8 ones (128B swizzle: rows 128 B, k 8..15 1 KiB further).
-    const u64 desc_ones = desc_mn_major<128>(smem_u32 + C::kOffOnes, C::kOnesBytes);
+                                          C::kSumMma ? C::kOffOnes - C::kOffV : C::kBlockN * kSw);
     const auto stage = [it0](int i) { return (it0 + i) % C::kStages; };
     const auto parity = [it0](int i) { return u32((it0 + i) / C::kStages) & 1; };
     const auto stage_desc = [it0](u64 desc, int i) {
@@ -620,7 +604,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     };
     const auto stage_desc_v = [&](u64 desc, int i) {
         const u64 stepped = stage_desc(desc, i);
-        return C::kSumWide ? stepped - ((stepped - desc) << 16) : stepped;
+        return C::kSumMma ? stepped - ((stepped - desc) << 16) : stepped;
     };
     const auto col0 = [&w](int i) { return w.col0(i, C::kBlockN); };
 
@@ -695,7 +679,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             mbarrier_wait(bar.full_v(stage(i)), parity(i));
             fence_pv_operands();
             wgmma_fence();
-            issue_pv<C>(acc_o, p, stage_desc_v(desc_v, i), desc_ones);
+            issue_pv<C>(acc_o, p, stage_desc_v(desc_v, i));
             wgmma_wait<0>();
             fence_operands(acc_o);
             if (lane == 0) mbarrier_arrive(bar.empty_v(stage(i)));
@@ -727,7 +711,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             wgmma_fence();
             issue_qk<C>(acc_s, desc_q, stage_desc(desc_k, i));
             mbarrier_wait(bar.full_v(stage(i - 1)), parity(i - 1));
-            issue_pv<C>(acc_o, p, stage_desc_v(desc_v, i - 1), desc_ones);
+            issue_pv<C>(acc_o, p, stage_desc_v(desc_v, i - 1));
             turns.release(false);
             const int c0 = early_col0(i);
             const ModBits<C> bits = mask_bits(i, c0);
@@ -745,7 +729,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         turns.acquire();
         fence_pv_operands();
         wgmma_fence();
-        issue_pv<C>(acc_o, p, stage_desc_v(desc_v, last), desc_ones);
+        issue_pv<C>(acc_o, p, stage_desc_v(desc_v, last));
         turns.release(is_final());
         wgmma_wait<0>();
         fence_operands(acc_o);
@@ -858,9 +842,9 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
         mbarrier_fence_init();
     }
     if constexpr (C::kSumMma) {
-        // sum_mma's ones, written once; wgmma reads them through the async proxy.
+        // sum_mma's panel of ones, written once; wgmma reads it through the async proxy.
         const u32 one = pack2<typename C::Elem>(1.f, 1.f);
-        for (u32 i = threadIdx.x; i < C::kOnesBytes / 16; i += C::kThreads)
+        for (u32 i = threadIdx.x; i < C::kBlockN * C::kSwizzle / 16; i += C::kThreads)
             reinterpret_cast<uint4*>(tiles + C::kOffOnes)[i] = uint4{one, one, one, one};
         fence_proxy_async_shared();
     }
