@@ -242,18 +242,20 @@ def test_q_buffers_with_a_kv_range(window, shape, lazy):
           mod_args={"window_left": left, "window_right": right}, mask_mod=visible)
 
 
-@pytest.mark.parametrize("schedule", [0, 2])
-def test_rescale_when_the_max_grows(schedule):
+@pytest.mark.parametrize("schedule, rescale", [(0, 0), (2, 0), (1, 1), (2, 1)])
+def test_rescale_when_the_max_grows(schedule, rescale):
     """Keys that grow toward the sequence start, which the kernel visits last: each KV block's
     max exceeds the running one by several log2 units, so O and the row sums are rescaled by a
     small alpha at nearly every block, in both the plain and the overlapped steps, next to rows
-    whose max hardly moves (alpha near 1)."""
-    torch.manual_seed(schedule)
+    whose max hardly moves (alpha near 1). rescale 1 rescales in the next QK^T's shadow, and
+    the last block's alpha in the tail."""
+    torch.manual_seed(schedule + 4 * rescale)
     seqlen_q, seqlen_k = 130, 400
     q = make(1, seqlen_q, 2, 64)
     k, v = (make(1, seqlen_k, 1, 64) for _ in range(2))
     growth = torch.linspace(12.0, 0.5, seqlen_k).view(1, seqlen_k, 1, 1)
     k = (k.float() * growth).to(k.dtype)
     q[:, ::2] = q[:, ::2] * 0.01   # rows whose max hardly moves, next to ones that jump
-    config = {"block_m": 128, "block_n": 64, "stages": 2, "schedule": schedule, "persistent": 0}
+    config = {"block_m": 128, "block_n": 64, "stages": 2, "schedule": schedule, "persistent": 0,
+              "rescale": rescale}
     check(q, k, v, False, config=config, seed=schedule, lazy=True)

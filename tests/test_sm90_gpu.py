@@ -95,6 +95,12 @@ CONFIGS = [
           "sum_mma": 1}),
     (64, {"block_m": 128, "block_n": 176, "stages": 3, "schedule": 1, "persistent": 2, "q_buffers": 2,
           "sum_mma": 1}),
+    # rescale 1 (O rescaled in the next QK^T's shadow, the last block's alpha in the tail): each
+    # overlapped schedule, a CTA per tile and persistent (tiles of one block rescale O = 0).
+    (256, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 1, "persistent": 0, "rescale": 1}),
+    (256, {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2, "persistent": 1, "rescale": 1}),
+    (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 2,
+           "rescale": 1}),
 ]
 
 
@@ -111,6 +117,27 @@ def test_schedules_and_tiles(monkeypatch, head_dim, config, causal):
         k = make(batch, seqlen_k, heads_k, head_dim, torch.bfloat16)
         v = make(batch, seqlen_k, heads_k, head_dim, torch.bfloat16)
         check(q, k, v, causal)
+
+
+# Every kernel of the shipped tuning table (what flash_attn_func runs on an H200 at the tuned
+# shapes), on ragged shapes: a tune or a template change that breaks one config fails here.
+from test_sm90 import _shipped_forward_configs  # noqa: E402
+
+TUNED = [(v, c) for s, v, c in _shipped_forward_configs() if s.name == "flash_attn_fwd_sm90"]
+
+
+@pytest.mark.parametrize("variant, config", TUNED, ids=[f"{v.slug}-{c.slug}" for v, c in TUNED])
+def test_shipped_tuned_configs(monkeypatch, variant, config):
+    params = variant.as_dict()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[params["dtype"]]
+    route_check_to_sm90(monkeypatch, config.as_dict())
+    torch.manual_seed(params["head_dim"] + config.values["block_n"])
+    for (seqlen_q, seqlen_k), (batch, heads, heads_k) in (((1000, 17), (2, 2, 1)),
+                                                         ((333, 1517), (1, 2, 2))):
+        q = make(batch, seqlen_q, heads, params["head_dim"], dtype)
+        k = make(batch, seqlen_k, heads_k, params["head_dim"], dtype)
+        v = make(batch, seqlen_k, heads_k, params["head_dim"], dtype)
+        check(q, k, v, params["causal"])
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

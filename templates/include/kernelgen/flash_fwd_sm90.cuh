@@ -57,7 +57,8 @@ namespace kg {
 // SCHEDULE 0: plain (QK^T, softmax, PV in turn); 1: intra-warpgroup overlap; 2: overlap plus
 // pingpong between the consumer warpgroups (see sm90_consume).
 template <class Elem_, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool CAUSAL,
-          int SCHEDULE, int PERSISTENT, int Q_BUFFERS, int SUM_MMA, class QkGemm_, class PvGemm_>
+          int SCHEDULE, int PERSISTENT, int Q_BUFFERS, int SUM_MMA, int RESCALE,
+          class QkGemm_, class PvGemm_>
 struct Sm90Config {
     using Elem = Elem_;
     using QkGemm = QkGemm_;
@@ -75,6 +76,10 @@ struct Sm90Config {
     // ones (kOffOnes), so accumulators kHeadDim / 2 .. + 3 hold each row's sum, rescaled with O.
     static constexpr bool kSumMma = SUM_MMA != 0;
     static constexpr int kAccO = (HEAD_DIM + (kSumMma ? 8 : 0)) / 2;  // O's fp32 per thread
+    // RESCALE 1: O is rescaled by a block's alpha in the shadow of the next block's QK^T (FA3's
+    // order: after that issue, before the P V issue), not after the wait for the P V that wrote
+    // it. Overlapped schedules only (the plain one has no QK^T in flight there).
+    static constexpr bool kRescaleEarly = RESCALE == 1 && SCHEDULE > 0;
     static constexpr int kConsumers = BLOCK_M / 64;          // one warpgroup per 64 query rows
     static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
     // Per-thread register budgets after setmaxnreg (FA3's: 24/240 for 2 consumers, 32/160 for 3).
@@ -710,6 +715,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             fence_pv_operands();
             wgmma_fence();
             issue_qk<C>(acc_s, desc_q, stage_desc(desc_k, i));
+            if constexpr (C::kRescaleEarly) rescale_o<C>(acc_o, alpha);  // block i - 1's alpha
             mbarrier_wait(bar.full_v(stage(i - 1)), parity(i - 1));
             issue_pv<C>(acc_o, p, stage_desc_v(desc_v, i - 1));
             turns.release(false);
@@ -721,11 +727,14 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             wgmma_wait<0>();
             fence_operands(acc_o);
             if (lane == 0) mbarrier_arrive(bar.empty_v(stage(i - 1)));
-            rescale_o<C>(acc_o, alpha);
+            if constexpr (!C::kRescaleEarly) rescale_o<C>(acc_o, alpha);
             pack_p<C>(p, acc_s);
         }
         const int last = n_blocks - 1;
         mbarrier_wait(bar.full_v(stage(last)), parity(last));
+        // Early: the last block's alpha has no QK^T left to hide behind. (A tile of one block
+        // rescales O = 0 by its alpha of 0, here and in the loop's first step.)
+        if constexpr (C::kRescaleEarly) rescale_o<C>(acc_o, alpha);
         turns.acquire();
         fence_pv_operands();
         wgmma_fence();
