@@ -131,7 +131,7 @@ def test_shipped_tuned_configs(monkeypatch, variant, config):
     params = variant.as_dict()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[params["dtype"]]
     route_check_to_sm90(monkeypatch, config.as_dict())
-    torch.manual_seed(params["head_dim"] + config.values["block_n"])
+    torch.manual_seed(params["head_dim"] + config.as_dict()["block_n"])
     for (seqlen_q, seqlen_k), (batch, heads, heads_k) in (((1000, 17), (2, 2, 1)),
                                                          ((333, 1517), (1, 2, 2))):
         q = make(batch, seqlen_q, heads, params["head_dim"], dtype)
