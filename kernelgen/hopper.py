@@ -18,15 +18,19 @@ O_STORE_ROWS = 64                  # one consumer warpgroup's rows: a TMA store'
 
 
 def tensor_maps(kernel, q, k, v) -> tuple:
-    """The map layouts of Q, K, V and O for `kernel`'s tiles: O's only where the config stores
-    it by TMA (q_buffers 2), for the output every caller makes (torch.empty(q.shape): contiguous);
+    """The map layouts of Q, K, V and O for `kernel`'s tiles (Q's by 64 rows and one panel per
+    box with q_split); O's only where the config stores it by TMA (q_buffers 2), for the output every caller makes (torch.empty(q.shape): contiguous);
     all-zero maps where unused, and all four when K/V are empty (no CTA loads or stores then)."""
     if not k.shape[1]:
         return (_EMPTY_MAP,) * 4
     env = kernel.spec.environment(kernel.variant, kernel.config)
     dtype, swizzle = kernel.variant["dtype"], env["swizzle"]
-    maps = tuple(tma.attention_map(t.shape, t.stride(), dtype, rows, swizzle)
-                 for t, rows in ((q, env["block_m"]), (k, env["block_n"]), (v, env["block_n"])))
+    # q_split: Q loads as each consumer warpgroup's 64 rows, one panel per box.
+    split = env.get("q_split", 0) and env.get("q_buffers", 1) == 1
+    q_map = (tma.attention_map(q.shape, q.stride(), dtype, 64, swizzle, panels=1) if split
+             else tma.attention_map(q.shape, q.stride(), dtype, env["block_m"], swizzle))
+    maps = (q_map,) + tuple(tma.attention_map(t.shape, t.stride(), dtype, env["block_n"], swizzle)
+                            for t in (k, v))
     if env.get("q_buffers", 1) == 1:
         return maps + (_EMPTY_MAP,)
     batch, seqlen, heads, head_dim = q.shape

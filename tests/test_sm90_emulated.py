@@ -58,9 +58,10 @@ def forward(q, k, v, causal, config=None, seed=0, lazy=False, spec=SPEC, mod_arg
     batch, seqlen_q, heads, _ = q.shape
     out = torch.full_like(q, float("nan")).contiguous() if out is None else out
     lse = torch.full((batch, heads, seqlen_q), float("nan"))
+    split = env["q_split"] and env["q_buffers"] == 1   # Q as each warpgroup's rows, by panel
     maps = {f"tmap_{name}": (tma.attention_map(t.shape, t.stride(), NAMES[q.dtype], rows,
                                                env["swizzle"], panels), t)
-            for name, t, rows, panels in (("q", q, env["block_m"], None),
+            for name, t, rows, panels in (("q", q, 64 if split else env["block_m"], 1 if split else None),
                                           ("k", k, env["block_n"], None),
                                           ("v", v, env["block_n"], None),
                                           ("o", out, 64, 1))}   # O: read by q_buffers 2 only
@@ -167,6 +168,18 @@ CASES = [
     (64, torch.bfloat16, True, (1, 250, 400, 3, 1),
      {"block_m": 192, "block_n": 112, "stages": 3, "schedule": 1, "persistent": 2, "q_buffers": 2,
       "sum_mma": 1}, True),
+    # q_split: each consumer warpgroup's rows of Q on their own barriers, a box per panel:
+    # persistent (the rows go back after each tile), 2 and 3 consumers, 64B swizzle (three
+    # panels), the plain schedule, a CTA per tile, and the dynamic schedule.
+    (128, torch.bfloat16, True, (2, 300, 430, 2, 1),
+     {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 1, "q_split": 1}, True),
+    (96, torch.float16, False, (1, 600, 130, 2, 2),
+     {"block_m": 192, "block_n": 64, "stages": 2, "schedule": 1, "persistent": 1, "q_split": 1}, False),
+    (64, torch.bfloat16, True, (1, 250, 400, 3, 1),
+     {"block_m": 128, "block_n": 64, "stages": 3, "schedule": 0, "persistent": 0, "q_split": 1}, True),
+    (256, torch.bfloat16, False, (2, 290, 200, 2, 2),
+     {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 1, "persistent": 2, "q_split": 1,
+      "rescale": 1}, False),
 ]
 
 

@@ -101,6 +101,12 @@ CONFIGS = [
     (256, {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2, "persistent": 1, "rescale": 1}),
     (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 2,
            "rescale": 1}),
+    # q_split (each warpgroup's rows of Q on their own barriers; rows wholly past seqlen_q not
+    # loaded): persistent static and dynamic, a CTA per tile, 2 and 3 consumers.
+    (256, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 2, "persistent": 1, "rescale": 1,
+           "q_split": 1}),
+    (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2, "q_split": 1}),
+    (64, {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 0, "q_split": 1}),
 ]
 
 

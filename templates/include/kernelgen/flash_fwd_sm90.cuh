@@ -57,7 +57,7 @@ namespace kg {
 // SCHEDULE 0: plain (QK^T, softmax, PV in turn); 1: intra-warpgroup overlap; 2: overlap plus
 // pingpong between the consumer warpgroups (see sm90_consume).
 template <class Elem_, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool CAUSAL,
-          int SCHEDULE, int PERSISTENT, int Q_BUFFERS, int SUM_MMA, int RESCALE,
+          int SCHEDULE, int PERSISTENT, int Q_BUFFERS, int SUM_MMA, int RESCALE, int Q_SPLIT,
           class QkGemm_, class PvGemm_>
 struct Sm90Config {
     using Elem = Elem_;
@@ -80,6 +80,12 @@ struct Sm90Config {
     // order: after that issue, before the P V issue), not after the wait for the P V that wrote
     // it. Overlapped schedules only (the plain one has no QK^T in flight there).
     static constexpr bool kRescaleEarly = RESCALE == 1 && SCHEDULE > 0;
+    // Q_SPLIT (one Q buffer): each consumer warpgroup's 64 rows of Q load and go back on their
+    // own barriers (one TMA box per panel of 64 rows), so a warpgroup done with its epilogue gets
+    // the next tile's Q without waiting for the others', and the producer loads the next tile's
+    // first K between the first warpgroup's rows and the rest.
+    static constexpr bool kQSplit = Q_SPLIT == 1 && Q_BUFFERS == 1;
+    static constexpr int kQBarriers = kQSplit ? BLOCK_M / 64 : Q_BUFFERS;  // full_q / empty_q each
     static constexpr int kConsumers = BLOCK_M / 64;          // one warpgroup per 64 query rows
     static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
     // Per-thread register budgets after setmaxnreg (FA3's: 24/240 for 2 consumers, 32/160 for 3).
@@ -95,7 +101,7 @@ struct Sm90Config {
     static constexpr u32 kOffBarriers = kOffOnes + (kSumMma ? BLOCK_N * kSwizzle : 0);
     // full_q[], empty_q[] (one per Q buffer), full_k[], empty_k[], full_v[], empty_v[], and
     // (dynamic) full_t[2], empty_t[2] of the tile queue, whose two slots follow the barriers.
-    static constexpr int kBarriers = 2 * Q_BUFFERS + 4 * STAGES + (kDynamic ? 4 : 0);
+    static constexpr int kBarriers = 2 * kQBarriers + 4 * STAGES + (kDynamic ? 4 : 0);
     static constexpr u32 kOffQueue = kOffBarriers + 8 * kBarriers;
     static constexpr u32 kSmemBytes = 1024 + kOffQueue + (kDynamic ? 8 : 0);  // + 1024: realignment
 
@@ -114,10 +120,11 @@ struct Sm90Config {
 
 template <class C>
 struct Sm90Barriers {
-    static constexpr int kQ = 2 * C::kQBuffers;  // the Q barriers come first
+    static constexpr int kQ = 2 * C::kQBarriers;  // the Q barriers come first
     u32 base;
+    // j: the Q buffer, or with kQSplit the consumer warpgroup whose rows they cover.
     __device__ __forceinline__ u32 full_q(int j) const { return base + 8 * j; }
-    __device__ __forceinline__ u32 empty_q(int j) const { return base + 8 * (C::kQBuffers + j); }
+    __device__ __forceinline__ u32 empty_q(int j) const { return base + 8 * (C::kQBarriers + j); }
     __device__ __forceinline__ u32 full_k(int s) const { return base + 8 * (kQ + s); }
     __device__ __forceinline__ u32 empty_k(int s) const { return base + 8 * (kQ + C::kStages + s); }
     __device__ __forceinline__ u32 full_v(int s) const { return base + 8 * (kQ + 2 * C::kStages + s); }
@@ -247,9 +254,29 @@ __device__ __forceinline__ void sm90_produce(u32 base, Sm90Barriers<C> bar, cons
                                              const TileWork& w, int kv_head, int it0, int tile) {
     const int row0 = w.row0, head = w.head, batch = w.batch, n_blocks = w.n_blocks;
     const int j = q_slot<C>(tile);
-    mbarrier_wait(bar.empty_q(j), q_parity<C>(tile) ^ 1);
-    mbarrier_arrive_expect_tx(bar.full_q(j), C::kTileQ);
-    tma_load_5d(base + j * C::kTileQ, map_q, bar.full_q(j), 0, row0, 0, head, batch, kEvictFirst);
+    // Split: warpgroup g's rows, a box of 64 rows per panel (the map's box), where the tile's
+    // layout puts them: panel p at p * BLOCK_M rows, the rows at g * 64 inside it.
+    // Rows wholly past seqlen_q are not loaded (their barrier completes on the arrival alone):
+    // that warpgroup's scores are then of stale rows, and none of its rows is stored.
+    const auto load_q_rows = [&](int g) {
+        mbarrier_wait(bar.empty_q(g), q_parity<C>(tile) ^ 1);
+        if (g * 64 >= w.q_rows) {
+            mbarrier_arrive(bar.full_q(g));
+            return;
+        }
+        mbarrier_arrive_expect_tx(bar.full_q(g), C::kTileQ / C::kConsumers);
+        #pragma unroll
+        for (int p = 0; p < C::kPanels; ++p)
+            tma_load_5d(base + (p * C::kBlockM + g * 64) * C::kSwizzle, map_q, bar.full_q(g), 0,
+                        row0 + g * 64, p, head, batch, kEvictFirst);
+    };
+    if constexpr (C::kQSplit) {
+        load_q_rows(0);
+    } else {
+        mbarrier_wait(bar.empty_q(j), q_parity<C>(tile) ^ 1);
+        mbarrier_arrive_expect_tx(bar.full_q(j), C::kTileQ);
+        tma_load_5d(base + j * C::kTileQ, map_q, bar.full_q(j), 0, row0, 0, head, batch, kEvictFirst);
+    }
     for (int i = 0; i < n_blocks; ++i) {
         const int s = (it0 + i) % C::kStages;
         const u32 parity = ((it0 + i) / C::kStages) & 1;
@@ -258,6 +285,11 @@ __device__ __forceinline__ void sm90_produce(u32 base, Sm90Barriers<C> bar, cons
         mbarrier_arrive_expect_tx(bar.full_k(s), C::kTileKV);
         tma_load_5d(base + C::kOffK + s * C::kTileKV, map_k, bar.full_k(s), 0, col0, 0, kv_head,
                     batch, kEvictLast);
+        // The first K goes before the other warpgroups' rows of Q: the first warpgroup may be
+        // ready for both while the others still finish the previous tile's epilogue.
+        if constexpr (C::kQSplit)
+            if (i == 0)
+                for (int g = 1; g < C::kConsumers; ++g) load_q_rows(g);
         mbarrier_wait(bar.empty_v(s), parity ^ 1);
         mbarrier_arrive_expect_tx(bar.full_v(s), C::kTileKV);
         tma_load_5d(base + C::kOffV + s * C::kTileKV, map_v, bar.full_v(s), 0, col0, 0, kv_head,
@@ -665,7 +697,8 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             }
     };
 
-    mbarrier_wait(bar.full_q(slot), q_parity<C>(tile));
+    const int q_bar = C::kQSplit ? wg : slot;  // the barriers of this warpgroup's rows of Q
+    mbarrier_wait(bar.full_q(q_bar), q_parity<C>(tile));
     if constexpr (C::kSchedule == 0) {
         // Plain: S, softmax, O += P V, one block after the other (the other warpgroups fill in).
         for (int i = 0; i < n_blocks; ++i) {
@@ -796,7 +829,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     // The staging reads are done: the next tile's Q may land here (one arrival per warp).
     fence_proxy_async_shared();
     __syncwarp();
-    if (lane == 0) mbarrier_arrive(bar.empty_q(slot));
+    if (lane == 0) mbarrier_arrive(bar.empty_q(q_bar));
 }
 
 // A tile whose rows all see no key: O = 0, LSE = -inf, by `threads` threads numbered from 0.
@@ -832,10 +865,12 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
     unsigned char* tiles = smem + (base - raw);
     const Sm90Barriers<C> bar{base + C::kOffBarriers};
     if (threadIdx.x == 0) {
-        for (int j = 0; j < C::kQBuffers; ++j) {
+        for (int j = 0; j < C::kQBarriers; ++j) {
             mbarrier_init(bar.full_q(j), 1);
-            // One arrival per consumer warp, or per warpgroup's storing thread (kTmaStore).
-            mbarrier_init(bar.empty_q(j), C::kTmaStore ? C::kConsumers : 4 * C::kConsumers);
+            // One arrival per consumer warp (split: of the warpgroup), or per warpgroup's
+            // storing thread (kTmaStore).
+            mbarrier_init(bar.empty_q(j), C::kTmaStore ? C::kConsumers
+                                                       : C::kQSplit ? 4 : 4 * C::kConsumers);
         }
         for (int s = 0; s < C::kStages; ++s) {
             mbarrier_init(bar.full_k(s), 1);
