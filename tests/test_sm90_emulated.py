@@ -180,6 +180,10 @@ CASES = [
     (256, torch.bfloat16, False, (2, 290, 200, 2, 2),
      {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 1, "persistent": 2, "q_split": 1,
       "rescale": 1}, False),
+    # ... with empty tiles first (seqlen_q > seqlen_k, causal) and a last tile of 38 rows, whose
+    # second warpgroup's rows are not loaded at all.
+    (64, torch.bfloat16, True, (1, 550, 130, 2, 2),
+     {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2, "persistent": 1, "q_split": 1}, True),
 ]
 
 
