@@ -17,20 +17,25 @@ _EMPTY_MAP = bytes(tma.MAP_BYTES)  # for an empty K/V, or an O the kernel does n
 O_STORE_ROWS = 64                  # one consumer warpgroup's rows: a TMA store's box
 
 
+def q_box(env) -> tuple[int, int | None]:
+    """(rows, panels) of one TMA box of Q for a config's environment: the whole tile, or with
+    q_split one consumer warpgroup's rows one panel at a time (its rows are not contiguous in
+    the tile's [panel][block_m] layout)."""
+    return (O_STORE_ROWS, 1) if env.get("q_split") else (env["block_m"], None)
+
+
 def tensor_maps(kernel, q, k, v) -> tuple:
-    """The map layouts of Q, K, V and O for `kernel`'s tiles (Q's by 64 rows and one panel per
-    box with q_split); O's only where the config stores it by TMA (q_buffers 2), for the output every caller makes (torch.empty(q.shape): contiguous);
-    all-zero maps where unused, and all four when K/V are empty (no CTA loads or stores then)."""
+    """The map layouts of Q, K, V and O for `kernel`'s tiles (Q's boxes by q_box); O's only
+    where the config stores it by TMA (q_buffers 2), for the output every caller makes
+    (torch.empty(q.shape): contiguous); all-zero maps where unused, and all four when K/V are
+    empty (no CTA loads or stores then)."""
     if not k.shape[1]:
         return (_EMPTY_MAP,) * 4
     env = kernel.spec.environment(kernel.variant, kernel.config)
     dtype, swizzle = kernel.variant["dtype"], env["swizzle"]
-    # q_split: Q loads as each consumer warpgroup's 64 rows, one panel per box.
-    split = env.get("q_split", 0) and env.get("q_buffers", 1) == 1
-    q_map = (tma.attention_map(q.shape, q.stride(), dtype, 64, swizzle, panels=1) if split
-             else tma.attention_map(q.shape, q.stride(), dtype, env["block_m"], swizzle))
-    maps = (q_map,) + tuple(tma.attention_map(t.shape, t.stride(), dtype, env["block_n"], swizzle)
-                            for t in (k, v))
+    q_rows, q_panels = q_box(env)
+    maps = (tma.attention_map(q.shape, q.stride(), dtype, q_rows, swizzle, q_panels),
+            *(tma.attention_map(t.shape, t.stride(), dtype, env["block_n"], swizzle) for t in (k, v)))
     if env.get("q_buffers", 1) == 1:
         return maps + (_EMPTY_MAP,)
     batch, seqlen, heads, head_dim = q.shape

@@ -377,6 +377,9 @@ def test_tensor_maps_follow_the_kernel_tiles_and_the_operand_strides():
     stored = hopper.tensor_maps(Kernel(128, 128, persistent=1, q_buffers=2), strided_q, kv, kv)[3]
     assert stored.box == (64, 64, 1, 1, 1) and stored.dims == (64, 100, 1, 8, 2)
     assert stored.strides == (8 * 64 * 2, 128, 64 * 2, 100 * 8 * 64 * 2)
+    # q_split loads Q as each consumer warpgroup's 64 rows, a box per panel.
+    split = hopper.tensor_maps(Kernel(192, 96, q_split=1), q, kv, kv)[0]
+    assert split.box == (64, 64, 1, 1, 1) and split.strides == maps[0].strides
 
 
 def test_a_tune_key_with_a_default(write_spec):

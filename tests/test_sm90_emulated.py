@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent / "emulator"))
 import emulate  # noqa: E402
 
-from kernelgen import tma  # noqa: E402
+from kernelgen import hopper, tma  # noqa: E402
 from kernelgen.reference import attention_ref, max_error, rounding_allowance  # noqa: E402
 from kernelgen.spec import load_spec  # noqa: E402
 
@@ -58,10 +58,9 @@ def forward(q, k, v, causal, config=None, seed=0, lazy=False, spec=SPEC, mod_arg
     batch, seqlen_q, heads, _ = q.shape
     out = torch.full_like(q, float("nan")).contiguous() if out is None else out
     lse = torch.full((batch, heads, seqlen_q), float("nan"))
-    split = env["q_split"] and env["q_buffers"] == 1   # Q as each warpgroup's rows, by panel
     maps = {f"tmap_{name}": (tma.attention_map(t.shape, t.stride(), NAMES[q.dtype], rows,
                                                env["swizzle"], panels), t)
-            for name, t, rows, panels in (("q", q, 64 if split else env["block_m"], 1 if split else None),
+            for name, t, rows, panels in (("q", q, *hopper.q_box(env)),
                                           ("k", k, env["block_n"], None),
                                           ("v", v, env["block_n"], None),
                                           ("o", out, 64, 1))}   # O: read by q_buffers 2 only

@@ -114,14 +114,19 @@ CONFIGS = [
                          ids=[f"hd{d}-{'_'.join(f'{k}{v}' for k, v in c.items())}" for d, c in CONFIGS])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_schedules_and_tiles(monkeypatch, head_dim, config, causal):
+    check_config(monkeypatch, head_dim, config, causal, torch.bfloat16)
+
+
+def check_config(monkeypatch, head_dim, config, causal, dtype):
+    """One config on three ragged shapes: one query row, keys of 17, and GQA with tails."""
     route_check_to_sm90(monkeypatch, config)
     torch.manual_seed(head_dim + config["block_n"])
     for (seqlen_q, seqlen_k), (batch, heads, heads_k) in (((1, 1000), (1, 4, 2)),
                                                          ((1000, 17), (2, 2, 1)),
                                                          ((333, 1517), (1, 2, 2))):
-        q = make(batch, seqlen_q, heads, head_dim, torch.bfloat16)
-        k = make(batch, seqlen_k, heads_k, head_dim, torch.bfloat16)
-        v = make(batch, seqlen_k, heads_k, head_dim, torch.bfloat16)
+        q = make(batch, seqlen_q, heads, head_dim, dtype)
+        k = make(batch, seqlen_k, heads_k, head_dim, dtype)
+        v = make(batch, seqlen_k, heads_k, head_dim, dtype)
         check(q, k, v, causal)
 
 
@@ -136,14 +141,7 @@ TUNED = [(v, c) for s, v, c in _shipped_forward_configs() if s.name == "flash_at
 def test_shipped_tuned_configs(monkeypatch, variant, config):
     params = variant.as_dict()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[params["dtype"]]
-    route_check_to_sm90(monkeypatch, config.as_dict())
-    torch.manual_seed(params["head_dim"] + config.as_dict()["block_n"])
-    for (seqlen_q, seqlen_k), (batch, heads, heads_k) in (((1000, 17), (2, 2, 1)),
-                                                         ((333, 1517), (1, 2, 2))):
-        q = make(batch, seqlen_q, heads, params["head_dim"], dtype)
-        k = make(batch, seqlen_k, heads_k, params["head_dim"], dtype)
-        v = make(batch, seqlen_k, heads_k, params["head_dim"], dtype)
-        check(q, k, v, params["causal"])
+    check_config(monkeypatch, params["head_dim"], config.as_dict(), params["causal"], dtype)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -79,12 +79,12 @@ struct Sm90Config {
     // RESCALE 1: O is rescaled by a block's alpha in the shadow of the next block's QK^T (FA3's
     // order: after that issue, before the P V issue), not after the wait for the P V that wrote
     // it. Overlapped schedules only (the plain one has no QK^T in flight there).
-    static constexpr bool kRescaleEarly = RESCALE == 1 && SCHEDULE > 0;
+    static constexpr bool kRescaleEarly = RESCALE == 1;
     // Q_SPLIT (one Q buffer): each consumer warpgroup's 64 rows of Q load and go back on their
     // own barriers (one TMA box per panel of 64 rows), so a warpgroup done with its epilogue gets
     // the next tile's Q without waiting for the others', and the producer loads the next tile's
     // first K between the first warpgroup's rows and the rest.
-    static constexpr bool kQSplit = Q_SPLIT == 1 && Q_BUFFERS == 1;
+    static constexpr bool kQSplit = Q_SPLIT == 1;
     static constexpr int kQBarriers = kQSplit ? BLOCK_M / 64 : Q_BUFFERS;  // full_q / empty_q each
     static constexpr int kConsumers = BLOCK_M / 64;          // one warpgroup per 64 query rows
     static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
@@ -116,6 +116,8 @@ struct Sm90Config {
     static_assert(PERSISTENT >= 0 && PERSISTENT <= 2, "a CTA per tile, static or dynamic loop");
     static_assert(Q_BUFFERS == 1 || (Q_BUFFERS == 2 && PERSISTENT),
                   "a second Q buffer serves the next tile of a persistent CTA");
+    static_assert(!kRescaleEarly || SCHEDULE > 0, "rescale 1: a QK^T in flight to hide behind");
+    static_assert(!kQSplit || Q_BUFFERS == 1, "q_split: the rows of the one Q buffer");
 };
 
 template <class C>
