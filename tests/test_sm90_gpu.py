@@ -78,9 +78,6 @@ CONFIGS = [
     (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 2}),
     (128, {"block_m": 128, "block_n": 160, "stages": 2, "schedule": 1, "persistent": 1, "q_buffers": 2}),
     (128, {"block_m": 128, "block_n": 96, "stages": 3, "schedule": 2, "persistent": 1, "q_buffers": 2}),
-    # hd64's tuned 512–1k configs (session 14): two stages, one block of 128 keys at a time.
-    (64, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 1, "q_buffers": 2}),
-    (64, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2, "q_buffers": 2}),
     (64, {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 2}),
     (96, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 1, "q_buffers": 2}),
     (192, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 1, "persistent": 1, "q_buffers": 2}),
