@@ -7,7 +7,10 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${STEPS:-"fwd bwd tune sm90 memcheck"}
 T=${STEP_TIMEOUT:-240}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader
-gpu_tests() { timeout $T python3 -m pytest -q -m gpu -p no:cacheprovider --maxfail=15 "$@" 2>&1; }
+# XDIST workers (pytest-xdist, in the H200 image): the tests are correctness checks, so they may
+# share the GPU; the workers compile in parallel, which is most of the suite's time on one.
+gpu_tests() { timeout $T python3 -m pytest -q -m gpu -p no:cacheprovider --maxfail=15 \
+                -n ${XDIST:-8} "$@" 2>&1; }
 for step in $STEPS; do
   echo "=== $step"
   case $step in
@@ -52,6 +55,7 @@ for step in $STEPS; do
                timeout $T python3 tools/bwd_check.py $args 2>&1 | tee -a "$OUT/bwdcheck.log" | tail -6
              done ;;
     pytest)  gpu_tests ${PYTEST_ARGS} | tee -a "$OUT/pytest.log" | tail -30 ;;
+    all)     gpu_tests tests/ | tee "$OUT/all.log" | tail -30 ;;
     sm90)    gpu_tests tests/test_sm90_gpu.py | tee "$OUT/sm90.log" | tail -30 ;;
     memcheck) timeout $T compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
                python3 tools/ragged.py 2>&1 | tee "$OUT/memcheck.log" | tail -6 ;;

@@ -1,0 +1,148 @@
+// Which (query head, query tile) pairs a Hopper backward CTA visits for its KV tile: causal and
+// kv ranges skip the pairs that see none of its keys, a block mask lists them. Producer and
+// consumers walk the same pairs (BwdWalk), so they agree on the ring's position.
+#pragma once
+#include "kernelgen/flash_bwd_sm80.cuh"  // BwdArgs
+#include "kernelgen/bwd_sm90_config.cuh"
+
+namespace kg {
+
+// The CTA's KV tile and the (query head, query tile) pairs it visits, head-major: the one place
+// they are decided, so the producer's loads and the consumers' steps agree. Causal (bottom-right:
+// query i sees keys <= i + shift) skips the query tiles above the diagonal, as flash_bwd_sm80.cuh.
+struct BwdWork {
+    int kv_head, batch, kv0, group, m_first, per_head, n_iter, n_block;
+    __device__ __forceinline__ int head(int it) const { return kv_head * group + it / per_head; }
+    __device__ __forceinline__ int m0(int it, int block_m) const {
+        return (m_first + it % per_head) * block_m;
+    }
+};
+
+// Pair `pair` of the walk with a kv range: whether its query tile's keys meet this KV tile (the
+// test of flash_bwd_sm80.cuh).
+template <class C, class Mods>
+__device__ __forceinline__ bool bwd_pair_seen(const BwdArgs<typename C::Elem>& a, const Mods& mods,
+                                              int kv_head, int batch, int kv0, int group,
+                                              int m_first, int per_head, int pair) {
+    const int head = kv_head * group + pair / per_head, m0 = (m_first + pair % per_head) * C::kBlockM;
+    const int q_last = min(m0 + C::kBlockM, a.seqlen_q) - 1;
+    const int lo = max(0, mods.kv_lo(m0, q_last, batch, head, a.seqlen_q, a.seqlen_k));
+    int hi = min(a.seqlen_k, mods.kv_hi(m0, q_last, batch, head, a.seqlen_q, a.seqlen_k));
+    if constexpr (C::kCausal) hi = min(hi, q_last + a.seqlen_k - a.seqlen_q + 1);
+    return lo < hi && kv0 < hi && lo < kv0 + C::kBlockN;
+}
+
+template <class Mods>
+constexpr bool kBwdSkipPairs = Mods::kKvRange && !Mods::kBlockSparse;
+
+// first_seen and count_seen (flash_bwd_sm80.cuh) kept rolled, the count by ballot: unrolled
+// copies of the search, or a shuffle sum, cost the consumers registers they do not have (window
+// at head_dim 128 spills with either).
+template <class Seen>
+__device__ __forceinline__ int bwd_first_seen(int from, int count, int lane, const Seen& seen) {
+    #pragma unroll 1
+    for (int base = from; base < count; base += 32) {
+        const int index = base + lane;
+        int found = index < count && seen(index) ? index : count;
+        #pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2)
+            found = min(found, __shfl_xor_sync(0xffffffffu, found, offset));
+        if (found < count) return found;
+    }
+    return count;
+}
+
+template <class Seen>
+__device__ __forceinline__ int bwd_count_seen(int count, int lane, const Seen& seen) {
+    int total = 0;
+    #pragma unroll 1
+    for (int base = 0; base < count; base += 32) {
+        const int index = base + lane;
+        total += __popc(__ballot_sync(0xffffffffu, index < count && seen(index)));
+    }
+    return total;
+}
+
+template <class C, class Mods>
+__device__ __forceinline__ BwdWork bwd_work(const BwdArgs<typename C::Elem>& a, const Mods& mods) {
+    // Causal grids put the KV tile in the middle (the spec's launch): per batch, every kv head's
+    // tile 0 (the most query rows) first, then every tile 1, ..., so the tiles sharing a head's Q,
+    // dO and dQ accumulators run close in time, in L2, and still longest first. (With the tile
+    // slowest over all batches, a pair's tiles ran a whole round of pairs apart: at 512 keys the
+    // kernel was slower causal than full.) blockIdx values, not computed ones: ptxas
+    // rematerializes them, where three more live registers spill the tightest mods variants.
+    const int n_block = C::kCausal ? blockIdx.y : blockIdx.x;
+    const int kv_head = C::kCausal ? blockIdx.x : blockIdx.y;
+    const int batch = blockIdx.z;
+    const int kv0 = n_block * C::kBlockN, group = a.heads / a.heads_k;
+    const int m_tiles = cdiv(a.seqlen_q, C::kBlockM);
+    int m_first = 0;
+    if constexpr (C::kCausal) m_first = min(max(kv0 - (a.seqlen_k - a.seqlen_q), 0) / C::kBlockM, m_tiles);
+    const int per_head = m_tiles - m_first;
+    // Pairs walked: all of them; with a kv range those it does not rule out (counted by each
+    // warp, all threads still converged here); with a block mask the group's listed ones.
+    int n_iter = per_head * group;
+    if constexpr (Mods::kBlockSparse) {
+        n_iter = 0;
+        for (int g = 0; g < group; ++g)
+            n_iter += mods.sparse_row(batch, kv_head * group + g, n_block).n_blocks;
+    } else if constexpr (kBwdSkipPairs<Mods>) {
+        n_iter = bwd_count_seen(per_head * group, threadIdx.x % 32, [&](int pair) {
+            return bwd_pair_seen<C>(a, mods, kv_head, batch, kv0, group, m_first, per_head, pair);
+        });
+    }
+    return BwdWork{kv_head, batch, kv0, group, m_first, per_head, n_iter, n_block};
+}
+
+// The pairs in walking order, the same for every role: step `it` visits pair(it), after next()
+// found it (a kv range: the next pair not ruled out, a warp-wide search; else the next index).
+// A block mask's entry is re-read from its lists (global memory, L1) per use, as in the sm80 kernel.
+struct BwdPair {
+    int head, m0;
+    bool partial;  // a block mask's partially visible tile: the mask_mod per element
+};
+
+template <class C, class Mods>
+struct BwdWalk {
+    const BwdArgs<typename C::Elem>& a;
+    const Mods& mods;
+    const BwdWork& w;
+    int at = 0;  // the pair of the current step (a kv range)
+
+    __device__ __forceinline__ void first() {
+        if constexpr (kBwdSkipPairs<Mods>) at = find(0);
+    }
+    // Pair of step `it`; with a kv range the walk then moves on to the next step's pair.
+    __device__ __forceinline__ BwdPair step(int it) {
+        if constexpr (Mods::kBlockSparse) {
+            int pair = it;
+            for (int g = 0;; ++g) {
+                const SparseRow row = mods.sparse_row(w.batch, w.kv_head * w.group + g, w.n_block);
+                if (pair < row.n_blocks || g == w.group - 1)
+                    return BwdPair{w.kv_head * w.group + g, row.block(pair) * C::kBlockM,
+                                   pair < row.n_partial};
+                pair -= row.n_blocks;
+            }
+        } else if constexpr (kBwdSkipPairs<Mods>) {
+            const int pair = at;
+            at = find(pair + 1);
+            return BwdPair{w.head(pair), w.m0(pair, C::kBlockM), false};
+        } else {
+            return BwdPair{w.head(it), w.m0(it, C::kBlockM), false};
+        }
+    }
+    // The next seen pair from `from` on. Most often it is `from` itself (a window's pairs are
+    // consecutive), which one test, the same in every lane, settles without the warp search and
+    // its chain of shuffles.
+    __device__ __forceinline__ int find(int from) const {
+        const auto seen = [&](int pair) {
+            return bwd_pair_seen<C>(a, mods, w.kv_head, w.batch, w.kv0, w.group, w.m_first,
+                                    w.per_head, pair);
+        };
+        const int count = w.per_head * w.group;
+        if (from >= count || seen(from)) return min(from, count);
+        return bwd_first_seen(from + 1, count, int(threadIdx.x % 32), seen);
+    }
+};
+
+}  // namespace kg

@@ -1,0 +1,200 @@
+// The Hopper forward's score_mod and masks on one block of S accumulators: the built-in masks
+// (sequence end, causal diagonal), a spec's mask_mod as per-thread bits evaluated while the
+// block's QK^T runs, kv ranges, and which blocks need any of it.
+#pragma once
+#include "kernelgen/flash_fwd_sm80.cuh"  // FwdArgs
+#include "kernelgen/fwd_sm90_tiles.cuh"  // TileWork
+
+namespace kg {
+
+// The keys every row of a warpgroup surely sees, [lo, hi) (the spec's full_lo / full_hi of its
+// rows): blocks inside skip the mask_mod. Without a mask_mod or a kv range, nothing is skipped.
+struct FullRange {
+    int lo, hi;
+};
+
+// The warpgroup's rows of the tile (a warpgroup past the tile's end takes its last row; padding
+// rows are never stored).
+template <class C, class Mods>
+__device__ __forceinline__ FullRange full_range(const FwdArgs<typename C::Elem>& a, const Mods& mods,
+                                                const TileWork& w, int wg_row0) {
+    const int q_last = w.row0 + w.q_rows - 1;
+    const int first = min(wg_row0, q_last), last = min(wg_row0 + 63, q_last);
+    return FullRange{mods.full_lo(first, last, w.batch, w.head, a.seqlen_q, a.seqlen_k),
+                     mods.full_hi(first, last, w.batch, w.head, a.seqlen_q, a.seqlen_k)};
+}
+
+// The query or key index `idx` (of a sequence of `seqlen`) that the Hopper forward passes a
+// mod: clamped into the sequence when the mod reads memory at a per-token index
+// (Mods.clamps_indices), so that the padding rows and columns of a tile read in bounds (their
+// results are masked or never stored); else as it is, which saves a min per index and score
+// (ALiBi's forward: 3440 -> 3040 instructions). The backwards always clamp: their padding rows'
+// probabilities meet dO's zero rows, where a NaN that a mod makes out of range would spread into
+// dK and dV. So does the mma.sync forward (flash_fwd_sm80.cuh says why).
+template <class Mods>
+__device__ __forceinline__ int mod_index(int idx, int seqlen) {
+    if constexpr (Mods::kClampIndices) return min(idx, seqlen - 1);
+    else return idx;
+}
+
+// Element (i, e) of this thread's S accumulators: row lane_row + (e / 2) * 8, key
+// col0 + 2 * (lane % 4) + 8 * i + (e & 1) (wgmma.cuh). A score_mod rewrites every scaled score,
+// the indices clamped into the sequences where it may read memory at them (mod_index).
+template <class C, class Mods>
+__device__ __forceinline__ void modify_scores(float (&acc_s)[C::kBlockN / 2],
+                                              const FwdArgs<typename C::Elem>& a, const Mods& mods,
+                                              const TileWork& w, int col0, int lane_row) {
+    const int lane_col = col0 + 2 * (threadIdx.x % 4);
+    #pragma unroll
+    for (int i = 0; i < C::kBlockN / 8; ++i)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e)
+            acc_s[4 * i + e] = mods.score_mod(
+                acc_s[4 * i + e], a.softmax_scale, w.batch, w.head,
+                mod_index<Mods>(lane_row + (e / 2) * 8, a.seqlen_q),
+                mod_index<Mods>(lane_col + i * 8 + (e & 1), a.seqlen_k), a.seqlen_q, a.seqlen_k);
+}
+
+// Which blocks evaluate the mask_mod per element: all of them, or with a block mask only its
+// partially visible blocks (the first w.sparse.n_partial of the tile's visiting order; `block` is
+// this one's index in it), or with a kv range the blocks not inside the full range.
+template <class C, class Mods>
+__device__ __forceinline__ bool needs_mod_mask(const TileWork& w, FullRange full, int col0,
+                                               int block) {
+    if constexpr (!Mods::kMaskMod) return false;
+    else if constexpr (Mods::kBlockSparse) return block < w.sparse.n_partial;
+    else if constexpr (Mods::kKvRange) return col0 < full.lo || col0 + C::kBlockN > full.hi;
+    else return true;
+}
+
+// Which of this thread's elements of one block the block's query rows see, a bit each (element
+// k = 4 i + e of the S accumulators is bit k % 32 of word k / 32; 1: visible): the mask_mod, the
+// sequence end and the causal diagonal together. The consumer evaluates it between issuing the
+// block's QK^T and waiting for it, so a mask_mod that reads memory (document ids: 34 loads a
+// thread per block at N = 128) loads while the tensor cores work, and after the wait the mask
+// is one test and select per score (PERF_NOTES §26). `active` false: the block needs no mask_mod
+// (mask_scores then applies the built-in masks alone), and `word` is not read; nor is it with
+// kv_range.exact, whose bounds stand for the mask_mod.
+template <class C>
+struct ModBits {
+    static constexpr int kWords = (C::kBlockN / 2 + 31) / 32;
+    u32 word[kWords];
+    bool active;
+};
+
+// Whether a block straddles the sequence end or (causal) a row's diagonal of the warpgroup's rows,
+// so that the built-in masks hide some of its elements.
+template <class C>
+__device__ __forceinline__ bool needs_builtin_mask(const FwdArgs<typename C::Elem>& a, int col0,
+                                                   int wg_row0) {
+    bool need = col0 + C::kBlockN > a.seqlen_k;
+    if constexpr (C::kCausal) need |= col0 + C::kBlockN - 1 > wg_row0 + a.seqlen_k - a.seqlen_q;
+    return need;
+}
+
+// Element (i, e)'s key is past the end if i*8 + (e&1) >= tail, past its row's diagonal if
+// diag + i*8 + (e&1) - (e/2)*8 > 0 (tail = seqlen_k - lane_col, diag = lane_col - lane_row -
+// (seqlen_k - seqlen_q)).
+template <class C>
+__device__ __forceinline__ bool builtin_masked(int i, int e, int tail, int diag) {
+    bool masked = i * 8 + (e & 1) >= tail;
+    if constexpr (C::kCausal) masked |= diag + i * 8 + (e & 1) - (e / 2) * 8 > 0;
+    return masked;
+}
+
+// The bits of one block, with the built-in masks folded in (kEdge) or not (a block that
+// straddles no boundary: one compare per element fewer).
+template <bool kEdge, class C, class Mods>
+__device__ __forceinline__ void fill_mask_bits(ModBits<C>& bits, const FwdArgs<typename C::Elem>& a,
+                                               const Mods& mods, const TileWork& w, int lane_col,
+                                               int lane_row) {
+    const int tail = a.seqlen_k - lane_col;
+    const int diag = lane_col - lane_row - (a.seqlen_k - a.seqlen_q);
+    #pragma unroll
+    for (int j = 0; j < ModBits<C>::kWords; ++j) bits.word[j] = 0;
+    #pragma unroll
+    for (int i = 0; i < C::kBlockN / 8; ++i)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            // `&`, not `&&`: the mask_mod runs on every element (its indices are clamped where it
+            // reads memory), so its loads are unconditional and ptxas loads each id once
+            // (2 + N/4 loads, not one pair per element).
+            bool visible = mods.mask_mod(
+                w.batch, w.head, mod_index<Mods>(lane_row + (e / 2) * 8, a.seqlen_q),
+                mod_index<Mods>(lane_col + i * 8 + (e & 1), a.seqlen_k), a.seqlen_q, a.seqlen_k);
+            if constexpr (kEdge) visible &= !builtin_masked<C>(i, e, tail, diag);
+            const int k = 4 * i + e;
+            bits.word[k / 32] |= u32(visible) << (k % 32);
+        }
+}
+
+template <class C, class Mods>
+__device__ __forceinline__ ModBits<C> mod_mask_bits(const FwdArgs<typename C::Elem>& a,
+                                                    const Mods& mods, const TileWork& w,
+                                                    FullRange full, int col0, int wg_row0,
+                                                    int lane_row, int block) {
+    ModBits<C> bits;
+    bits.active = needs_mod_mask<C, Mods>(w, full, col0, block);
+    if constexpr (Mods::kMaskMod && !Mods::kExactRange) {
+        if (!bits.active) return bits;
+        const int lane_col = col0 + 2 * (threadIdx.x % 4);
+        if (needs_builtin_mask<C>(a, col0, wg_row0))
+            fill_mask_bits<true>(bits, a, mods, w, lane_col, lane_row);
+        else
+            fill_mask_bits<false>(bits, a, mods, w, lane_col, lane_row);
+    }
+    return bits;
+}
+
+// Keys past seqlen_k, for causal past each row's diagonal (bottom-right aligned: row r sees keys
+// <= r + seqlen_k - seqlen_q), and those the mask_mod hides get -inf. Only blocks that straddle a
+// boundary pay for the built-in masks, and only blocks outside the full range for the mask_mod
+// (needs_mod_mask; its verdicts, with the built-in masks', are `bits`: mod_mask_bits).
+template <class C, class Mods>
+__device__ __forceinline__ void mask_scores(float (&acc_s)[C::kBlockN / 2],
+                                            const FwdArgs<typename C::Elem>& a, const Mods& mods,
+                                            const TileWork& w, const ModBits<C>& bits, int col0,
+                                            int wg_row0, int lane_row) {
+    const bool need_mask = needs_builtin_mask<C>(a, col0, wg_row0);
+    if (!need_mask && !bits.active) return;
+    const int lane_col = col0 + 2 * (threadIdx.x % 4);
+    if constexpr (Mods::kMaskMod && Mods::kExactRange) {
+        // kv_range.exact: a row's range is exactly the keys it sees. With the sequence end and
+        // the causal diagonal folded into each row's bounds (as offsets from the lane's first
+        // key), a score is two compares against immediates, not the mask_mod's expression.
+        int lo[2], hi[2];
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = lane_row + 8 * h;
+            int top = min(mods.kv_hi(row, row, w.batch, w.head, a.seqlen_q, a.seqlen_k), a.seqlen_k);
+            if constexpr (C::kCausal) top = min(top, row + a.seqlen_k - a.seqlen_q + 1);
+            lo[h] = mods.kv_lo(row, row, w.batch, w.head, a.seqlen_q, a.seqlen_k) - lane_col;
+            hi[h] = top - lane_col;
+        }
+        #pragma unroll
+        for (int i = 0; i < C::kBlockN / 8; ++i)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = i * 8 + (e & 1);
+                if (key < lo[e / 2] || key >= hi[e / 2]) acc_s[4 * i + e] = neg_inf();
+            }
+        return;
+    } else if constexpr (Mods::kMaskMod) {
+        if (bits.active) {
+            #pragma unroll
+            for (int k = 0; k < C::kBlockN / 2; ++k)
+                if (!((bits.word[k / 32] >> (k % 32)) & 1u)) acc_s[k] = neg_inf();
+            return;
+        }
+        if (!need_mask) return;
+    }
+    const int tail = a.seqlen_k - lane_col;
+    const int diag = lane_col - lane_row - (a.seqlen_k - a.seqlen_q);
+    #pragma unroll
+    for (int i = 0; i < C::kBlockN / 8; ++i)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e)
+            if (builtin_masked<C>(i, e, tail, diag)) acc_s[4 * i + e] = neg_inf();
+}
+
+}  // namespace kg

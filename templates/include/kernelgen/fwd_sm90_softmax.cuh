@@ -1,0 +1,72 @@
+// The Hopper forward's online softmax on one block of S accumulators, O's rescale, and P's
+// packing into wgmma's register A layout.
+#pragma once
+#include "kernelgen/types.cuh"  // exp2_approx, pack2, neg_inf
+
+namespace kg {
+
+// Online softmax on this thread's rows (h = 0: lane_row, h = 1: lane_row + 8), the math of
+// flash_fwd_sm80.cuh: new running max, alpha = exp2((m_old - m_new) * c) for O and l, and
+// S -> P = exp2(S * c - m_new * c) in place (fp32).
+template <class C>
+__device__ __forceinline__ void softmax_step(float (&acc_s)[C::kBlockN / 2], float (&row_max)[2],
+                                             float (&row_sum)[2], float scale_log2,
+                                             float (&alpha)[2]) {
+    // A row's max over this thread's block_n / 4 scores runs as kParts independent chains and
+    // then a tree: one chain of dependent FMNMX made every exp2 wait out block_n / 8 FMNMX
+    // latencies (PERF_NOTES §30: hd64 +1-5% at >= 4k). The sum stays one chain: it runs behind
+    // the MUFU.EX2 that feed it, and split into parts it measured 1-3% slower at hd64.
+    constexpr int kParts = 4, kPairs = C::kBlockN / 8;
+    static_assert(kPairs >= kParts, "block_n >= 32");
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float part[kParts];
+        #pragma unroll
+        for (int i = 0; i < kPairs; ++i) {
+            const float pair = fmaxf(acc_s[4 * i + 2 * h], acc_s[4 * i + 2 * h + 1]);
+            part[i % kParts] = i < kParts ? pair : fmaxf(part[i % kParts], pair);
+        }
+        float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
+        mx = fmaxf(mx, row_max[h]);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // A row that has seen only masked keys keeps m = -inf: use 0 so that (-inf) - (-inf)
+        // never happens; its p and alpha are then exp2(-inf) = 0.
+        const float m_scaled = mx == neg_inf() ? 0.f : mx * scale_log2;
+        alpha[h] = exp2_approx(row_max[h] * scale_log2 - m_scaled);
+        row_max[h] = mx;
+        float sum = 0.f;
+        #pragma unroll
+        for (int i = 0; i < kPairs; ++i)
+            #pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                float& x = acc_s[4 * i + 2 * h + j];
+                x = exp2_approx(fmaf(x, scale_log2, -m_scaled));
+                if constexpr (!C::kSumMma) sum += x;  // else the P V wgmma sums P
+            }
+        if constexpr (!C::kSumMma)
+            row_sum[h] = row_sum[h] * alpha[h] + sum;  // per-lane partial; the quad reduces at the end
+    }
+}
+
+template <class C>
+__device__ __forceinline__ void rescale_o(float (&acc_o)[C::kAccO], const float (&alpha)[2]) {
+    #pragma unroll
+    for (int i = 0; i < C::kAccO / 4; ++i)  // with sum_mma the row sums too
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[4 * i + e] *= alpha[e / 2];
+}
+
+// P (fp32) -> 16-bit pairs in the register A layout of k-step i / 2 (wgmma.cuh).
+template <class C>
+__device__ __forceinline__ void pack_p(u32 (&p)[C::kBlockN / 16][4],
+                                       const float (&acc_s)[C::kBlockN / 2]) {
+    #pragma unroll
+    for (int i = 0; i < C::kBlockN / 8; ++i)
+        #pragma unroll
+        for (int h = 0; h < 2; ++h)
+            p[i / 2][(i % 2) * 2 + h] =
+                pack2<typename C::Elem>(acc_s[4 * i + 2 * h], acc_s[4 * i + 2 * h + 1]);
+}
+
+}  // namespace kg

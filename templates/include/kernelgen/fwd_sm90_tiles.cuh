@@ -1,0 +1,119 @@
+// Which tiles a Hopper forward CTA computes and in what order: a tile's KV blocks (tile_work),
+// the static list of a CTA (TileSchedule), and the dynamic schedule's hand-off from the
+// producer to the consumers (TileQueue). Producer and consumers walk the same list, so they
+// agree on every tile's blocks and on the K/V ring's position.
+#pragma once
+#include "kernelgen/flash_fwd_sm80.cuh"  // FwdArgs, kv_blocks, SparseRow
+#include "kernelgen/fwd_sm90_config.cuh"
+#include "kernelgen/mbarrier.cuh"
+#include "kernelgen/tile_order.cuh"
+
+namespace kg {
+
+// One tile: BLOCK_M query rows of one (batch, head), and the KV blocks they see: n_blocks of
+// them from block n_first on (visited last to first).
+// With a block mask the blocks are those of its lists instead (sparse, partial ones first); its
+// pointers are null otherwise, a constant that folds away, so plain kernels keep their code.
+struct TileWork {
+    int head, batch, row0, q_rows, n_first, n_blocks;
+    SparseRow sparse;
+    // The first key column of the tile's i-th KV block in visiting order.
+    __device__ __forceinline__ int col0(int i, int block_n) const {
+        if (sparse.partial != nullptr) return sparse.block(i) * block_n;
+        return (n_first + n_blocks - 1 - i) * block_n;
+    }
+};
+
+// The one place a tile's KV blocks are decided for this kernel: the producer's loads, the
+// consumers' steps and the ring positions of later tiles all follow it. kv_blocks
+// (flash_fwd_sm80.cuh) for causal and kv ranges; a block mask gives the blocks itself (its
+// classify kernel folded causal, the sequence ends and any kv range in).
+template <class C, class Mods>
+__device__ __forceinline__ TileWork tile_work(const FwdArgs<typename C::Elem>& a, const Mods& mods,
+                                              int m_block, int head, int batch) {
+    const int row0 = m_block * C::kBlockM;
+    const int q_rows = min(a.seqlen_q - row0, C::kBlockM);
+    if constexpr (Mods::kBlockSparse) {
+        const SparseRow sparse = mods.sparse_row(batch, head, m_block);
+        return TileWork{head, batch, row0, q_rows, 0, sparse.n_blocks, sparse};
+    }
+    const KvBlocks blocks = kv_blocks<C::kBlockN, C::kCausal>(mods, row0, q_rows, batch, head,
+                                                              a.seqlen_q, a.seqlen_k);
+    return TileWork{head, batch, row0, q_rows, blocks.n_first, blocks.n_blocks,
+                    SparseRow{nullptr, nullptr, 0, 0}};
+}
+
+// The tiles one CTA computes, in order. Not persistent: the one tile of its blockIdx (causal: the
+// last query tiles, which see the most keys, launch first). Persistent (at most one CTA per SM):
+// linear tiles blockIdx.x, blockIdx.x + gridDim.x, ...; otherwise the query tiles of one head are
+// neighbours and share its K and V in L2; causal runs longest first in sections of (batch, head)
+// pairs whose K and V fit in L2 (tile_order.cuh). The producer and every consumer walk the same
+// list, and the smem rings and barrier phases run on across tiles, so the next tile's loads
+// overlap this tile's epilogue.
+template <class C, class Mods>
+struct TileSchedule {
+    const Mods& mods;
+    int m_blocks, heads, count, section;
+    __device__ __forceinline__ TileSchedule(const FwdArgs<typename C::Elem>& a, const Mods& m)
+        : mods(m), m_blocks(cdiv(a.seqlen_q, C::kBlockM)), heads(a.heads),
+          count(C::kPersistent ? m_blocks * a.heads * a.batch : 1) {
+        // Consecutive pairs are consecutive heads of one batch, `group` of which share a K/V head
+        // (4 * seqlen_k * head_dim bytes of K and V).
+        const int group = a.heads / a.heads_k;
+        section = section_pairs(4ll * a.seqlen_k * C::kHeadDim) * group;
+    }
+    __device__ __forceinline__ int first() const { return C::kPersistent ? blockIdx.x : 0; }
+    __device__ __forceinline__ int step() const { return C::kPersistent ? gridDim.x : 1; }
+    __device__ __forceinline__ TileWork at(const FwdArgs<typename C::Elem>& a, int t) const {
+        if constexpr (!C::kPersistent)
+            return tile_work<C>(a, mods, C::kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x,
+                                blockIdx.y, blockIdx.z);
+        int m_block, hb;
+        if constexpr (C::kCausal) {
+            const SectionItem item = section_item(t, count / m_blocks, m_blocks, section);
+            m_block = m_blocks - 1 - item.rank;
+            hb = item.pair;
+        } else {
+            m_block = t % m_blocks;
+            hb = t / m_blocks;
+        }
+        return tile_work<C>(a, mods, m_block, hb % heads, hb / heads);
+    }
+    // Whether a tile after t in this CTA's list has a KV block to compute (t = first() - step():
+    // whether any has).
+    __device__ __forceinline__ bool more_work(const FwdArgs<typename C::Elem>& a, int t) const {
+        for (int u = t + step(); u < count; u += step())
+            if (at(a, u).n_blocks > 0) return true;
+        return false;
+    }
+};
+
+// The dynamic schedule's hand-off (PERSISTENT 2): the producer thread claims a CTA's tiles after
+// the first from a global counter (zero at launch) and publishes each one's index t (count: no
+// more) in a two-slot ring in shared memory, in order; every consumer thread takes each
+// publication once. full_t[slot]: the producer's one arrival after writing the slot; empty_t[slot]:
+// one arrival per consumer warp once its lanes have read it. Publication j uses slot j % 2 with
+// parity (j / 2) & 1, so the producer can publish a tile's successor while the tile is computed.
+template <class C>
+struct TileQueue {
+    Sm90Barriers<C> bar;
+    int* slots;  // the two slots, in shared memory
+    int* counter;
+
+    // The next tile nobody has claimed (every CTA's first tile is its blockIdx.x).
+    __device__ __forceinline__ int claim() const { return gridDim.x + atomicAdd(counter, 1); }
+    __device__ __forceinline__ void publish(int j, int t) const {
+        mbarrier_wait(bar.empty_t(j % 2), u32((j / 2) & 1) ^ 1);
+        slots[j % 2] = t;
+        mbarrier_arrive(bar.full_t(j % 2));  // release: the consumers' wait acquires the slot
+    }
+    __device__ __forceinline__ int take(int j) const {
+        mbarrier_wait(bar.full_t(j % 2), u32(j / 2) & 1);
+        const int t = slots[j % 2];
+        __syncwarp();  // every lane has read it
+        if (threadIdx.x % 32 == 0) mbarrier_arrive(bar.empty_t(j % 2));
+        return t;
+    }
+};
+
+}  // namespace kg
