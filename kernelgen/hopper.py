@@ -24,6 +24,13 @@ def q_box(env) -> tuple[int, int | None]:
     return (O_STORE_ROWS, 1) if env.get("q_split") else (env["block_m"], None)
 
 
+def kv_box_panels(env) -> int | None:
+    """Panels of one TMA box of K or V: the whole tile's (None), or with a cluster each CTA's
+    share, which it multicasts to the others (panels are contiguous in the tile's layout)."""
+    cluster = env.get("cluster", 1)
+    return None if cluster == 1 else env["head_dim"] // (env["swizzle"] // 2) // cluster
+
+
 def tensor_maps(kernel, q, k, v) -> tuple:
     """The map layouts of Q, K, V and O for `kernel`'s tiles (Q's boxes by q_box); O's only
     where the config stores it by TMA (q_buffers 2), for the output every caller makes
@@ -34,8 +41,10 @@ def tensor_maps(kernel, q, k, v) -> tuple:
     env = kernel.spec.environment(kernel.variant, kernel.config)
     dtype, swizzle = kernel.variant["dtype"], env["swizzle"]
     q_rows, q_panels = q_box(env)
+    kv_panels = kv_box_panels(env)
     maps = (tma.attention_map(q.shape, q.stride(), dtype, q_rows, swizzle, q_panels),
-            *(tma.attention_map(t.shape, t.stride(), dtype, env["block_n"], swizzle) for t in (k, v)))
+            *(tma.attention_map(t.shape, t.stride(), dtype, env["block_n"], swizzle, kv_panels)
+              for t in (k, v)))
     if env.get("q_buffers", 1) == 1:
         return maps + (_EMPTY_MAP,)
     batch, seqlen, heads, head_dim = q.shape

@@ -231,6 +231,12 @@ OTHER_CONFIGS = [  # (head_dim, causal, config)
     # The row sums from the tensor cores: P V with N = 72 (sum_mma).
     (64, False, {"block_m": 192, "block_n": 144, "stages": 2, "schedule": 0, "persistent": 0,
                  "sum_mma": 1}),
+    # Clusters of two CTAs sharing K and V by multicast: half the panels each (hd128: one,
+    # hd256: two), with pingpong and with the early rescale.
+    (128, False, {"block_m": 128, "block_n": 176, "stages": 2, "schedule": 2, "persistent": 0,
+                  "cluster": 2}),
+    (256, False, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 1, "persistent": 0,
+                  "rescale": 1, "cluster": 2}),
 ]
 BUILDS = [(v, SPEC.default_config(v)) for v in BF16_VARIANTS] + [
     (SPEC.variant(head_dim=d, dtype="bf16", causal=c), SPEC.parse_config(cfg))
@@ -272,6 +278,12 @@ def test_sass_of_a_warp_specialized_wgmma_kernel(built, variant, config):
                     if config["sum_mma"] else 0)
     assert found["USETMAXREG"] == 2         # the producer's dec and the consumers' inc
     assert found["UTMALDG"] == 3            # Q, K and V, each one TMA load per tile
+    # cluster 2: K and V multicast (each CTA its panels), the CTAs meet after the barriers' init
+    # and before they exit, and a K/V slot is released to both CTAs' barriers.
+    clustered = config["cluster"] == 2
+    assert code.count("UTMALDG.5D.MULTICAST") == (2 if clustered else 0)
+    assert code.count("UCGABAR_WAIT") == (2 if clustered else 0)
+    assert ("SYNCS.ARRIVE.TRANS64.RED" in code) == clustered
     # q_buffers 2: O by TMA stores, one per panel of head_dim (a warpgroup's rows of a panel).
     panels = variant["head_dim"] // (64 if variant["head_dim"] % 64 == 0 else 32)
     assert found["UTMASTG"] == (panels if config["q_buffers"] == 2 else 0)
@@ -380,6 +392,54 @@ def test_tensor_maps_follow_the_kernel_tiles_and_the_operand_strides():
     # q_split loads Q as each consumer warpgroup's 64 rows, a box per panel.
     split = hopper.tensor_maps(Kernel(192, 96, q_split=1), q, kv, kv)[0]
     assert split.box == (64, 64, 1, 1, 1) and split.strides == maps[0].strides
+
+
+def test_a_cluster_loads_its_share_of_the_kv_panels():
+    import torch
+
+    from kernelgen import hopper
+
+    for head_dim, panels in ((128, 1), (256, 2)):
+        variant = SPEC.variant("sm_90a", head_dim=head_dim, dtype="bf16", causal=False)
+
+        class Kernel:
+            spec = SPEC
+
+        Kernel.variant = variant
+        Kernel.config = SPEC.parse_config({**SPEC.default_config(variant).as_dict(), "cluster": 2})
+        assert not SPEC.violations(variant, Kernel.config)
+        q = torch.randn(1, 300, 2, head_dim, dtype=torch.bfloat16)
+        maps = hopper.tensor_maps(Kernel, q, q, q)
+        assert maps[0].box[2] == head_dim // 64                    # Q: every panel, as before
+        assert maps[1].box[2] == maps[2].box[2] == panels          # K, V: this CTA's half
+
+
+def test_clusters_only_where_both_ctas_see_the_same_kv_blocks():
+    def allowed(spec, head_dim, causal, **more):
+        variant = spec.variant("sm_90a", head_dim=head_dim, dtype="bf16", causal=causal)
+        config = spec.parse_config({**spec.default_config(variant).as_dict(), "cluster": 2,
+                                    "persistent": 0, "q_buffers": 1, **more})
+        return not spec.violations(variant, config)
+
+    assert allowed(SPEC, 128, False) and allowed(SPEC, 256, False)
+    assert not allowed(SPEC, 128, True)                  # causal: neighbours see other blocks
+    assert not allowed(SPEC, 64, False) and not allowed(SPEC, 192, False)   # odd panel shares
+    assert not allowed(SPEC, 128, False, persistent=1)
+    for name, ok in (("flash_attn_softcap", True), ("flash_attn_alibi", True),
+                     ("flash_attn_window", False), ("flash_attn_document", False)):
+        assert allowed(load_spec(name, onto="flash_attn_fwd_sm90"), 128, False) == ok, name
+
+
+def test_a_cluster_grid_rounds_the_query_tiles_up_to_whole_clusters():
+    from kernelgen import api
+
+    variant = SPEC.variant("sm_90a", head_dim=128, dtype="bf16", causal=False)
+    config = SPEC.parse_config({**SPEC.default_config(variant).as_dict(), "block_m": 128,
+                                "cluster": 2})
+    env = {**SPEC.environment(variant, config), "seqlen_q": 300, "heads": 3, "batch": 2}
+    assert tuple(int(e(env)) for e in SPEC.grid) == (4, 3, 2)     # 3 tiles -> 2 clusters
+    env["cluster"] = 1
+    assert tuple(int(e(env)) for e in SPEC.grid) == (3, 3, 2)
 
 
 def test_a_tune_key_with_a_default(write_spec):

@@ -130,6 +130,37 @@ def check_config(monkeypatch, head_dim, config, causal, dtype):
         check(q, k, v, causal)
 
 
+# Clusters of two CTAs sharing K and V by multicast (non-causal only): the shapes give one query
+# tile and three (odd: the cluster's second CTA lies past seqlen_q, loads its half of K and V for
+# the first and stores nothing), eight, GQA and 17 keys (one partial block); 128B swizzle with one
+# and two panels per CTA, each overlapped schedule, 2 and 3 stages, q_split.
+CLUSTER_CONFIGS = [
+    (128, {"block_m": 128, "block_n": 176, "stages": 2, "schedule": 2, "persistent": 0, "cluster": 2}),
+    (128, {"block_m": 128, "block_n": 128, "stages": 3, "schedule": 1, "persistent": 0, "cluster": 2}),
+    (256, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 1, "persistent": 0, "rescale": 1,
+           "cluster": 2}),
+    (256, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 2, "persistent": 0, "q_split": 1,
+           "cluster": 2}),
+]
+
+
+@pytest.mark.parametrize("head_dim, config", CLUSTER_CONFIGS,
+                         ids=[f"hd{d}-{'_'.join(f'{k}{v}' for k, v in c.items())}"
+                              for d, c in CLUSTER_CONFIGS])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_clusters(monkeypatch, head_dim, config, dtype):
+    check_config(monkeypatch, head_dim, config, False, dtype)
+
+
+def test_a_cluster_config_refuses_causal():
+    from kernelgen.hopper import flash_attn_forward_sm90
+    from kernelgen.spec import SpecError
+
+    q = make(1, 64, 2, 128, torch.bfloat16)
+    with pytest.raises(SpecError, match="cluster == 1 or"):
+        flash_attn_forward_sm90(q, q, q, True, config=dict(CLUSTER_CONFIGS[0][1]))
+
+
 # Every kernel of the shipped tuning table (what flash_attn_func runs on an H200 at the tuned
 # shapes), on ragged shapes: a tune or a template change that breaks one config fails here.
 from test_sm90 import _shipped_forward_configs  # noqa: E402

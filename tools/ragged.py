@@ -19,6 +19,9 @@ if HOPPER:
     from kernelgen.hopper import flash_attn_forward_sm90
 DYNAMIC = {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 2}
 DYNAMIC_WIDE = {**DYNAMIC, "schedule": 1, "q_buffers": 1}   # head dims 192/256: registers, smem
+# Clusters of two CTAs (K and V multicast), non-causal at head dims 128 and 256: odd tile counts
+# put the second CTA of a cluster past seqlen_q.
+CLUSTER = {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 1, "persistent": 0, "cluster": 2}
 
 
 def report(ok, *what):
@@ -49,6 +52,10 @@ for head_dim in MASK_MODS or (64, 96, 128, 192, 256):
                     out, _ = flash_attn_forward_sm90(q, k, v, causal, config=config)
                     report(max_error(out, ref) <= 2 * max_error(pt, ref) + rounding_allowance(ref),
                            "fwd dynamic", head_dim, causal, seqlen_q, seqlen_k)
+                    if head_dim in (128, 256) and not causal:
+                        out, _ = flash_attn_forward_sm90(q, k, v, causal, config=CLUSTER)
+                        report(max_error(out, ref) <= 2 * max_error(pt, ref)
+                               + rounding_allowance(ref), "fwd cluster", head_dim, seqlen_q, seqlen_k)
                 if head_dim in (64, 96, 128):   # the Hopper backward's head dims on an H200
                     for t in (q, k, v):
                         t.requires_grad_()

@@ -1,5 +1,5 @@
 // Generated from specs/flash_attn_fwd_sm90.yaml by `kernelgen render --generated`; do not edit.
-// flash_attn_fwd_sm90__head_dim256_dtypefp16_causal0__sm_90a__block_m128_block_n80_stages2_schedule1_persistent0_q_buffers1_sum_mma0_rescale1_q_split0
+// flash_attn_fwd_sm90__head_dim256_dtypefp16_causal0__sm_90a__block_m128_block_n80_stages2_schedule1_persistent0_q_buffers1_sum_mma0_rescale1_q_split0_cluster1
 // flash_attn_fwd_sm90: exact attention forward for Hopper, TMA + mbarriers + wgmma (kernelgen/flash_fwd_sm90.cuh).
 //   O[b, i, h, :] = sum_j softmax_j(scale * Q[b, i, h, :] . K[b, j, h / (heads / heads_k), :]) V[b, j, ...]
 //   LSE[b, h, i]  = logsumexp_j(scale * Q[b, i, h, :] . K[b, j, ...])      (natural log, fp32)
@@ -10,7 +10,7 @@
 // A spec's mods (score_mod, mask_mod, kv_range; their arguments follow the tensor maps) are
 // applied as in the sm80 family; without mods the Mods struct below switches everything off.
 // Variant: head_dim=256 dtype=fp16 causal=false arch=sm_90a
-// Config:  block_m=128 block_n=80 stages=2 schedule=1 persistent=0 q_buffers=1 sum_mma=0 rescale=1 q_split=0
+// Config:  block_m=128 block_n=80 stages=2 schedule=1 persistent=0 q_buffers=1 sum_mma=0 rescale=1 q_split=0 cluster=1
 #include "kernelgen/flash_fwd_sm90.cuh"
 
 using elem_t = kg::half_t;
@@ -90,7 +90,7 @@ using Config = kg::Sm90Config<elem_t, /*HEAD_DIM=*/256, /*BLOCK_M=*/128,
                               /*PERSISTENT=*/0,
                               /*Q_BUFFERS=*/1, /*SUM_MMA=*/0,
                               /*RESCALE=*/1, /*Q_SPLIT=*/0,
-                              QkGemm, PvGemm>;
+                              /*CLUSTER=*/1, QkGemm, PvGemm>;
 static_assert(Config::kSmemBytes == 230480, "spec's smem formula disagrees with the kernel");
 static_assert(Config::kThreads == 384, "spec's thread count disagrees with the kernel");
 static_assert(Config::kSwizzle == 128, "the host's tensor maps use the spec's swizzle");
@@ -143,6 +143,7 @@ struct Mods {
 };
 
 // minBlocksPerSM = 1 gives ptxas the entry register count, without which setmaxnreg is dropped.
+// A cluster's size is fixed at compile time, so a plain launch makes clusters of it.
 extern "C" __global__ void __launch_bounds__(Config::kThreads, 1)
 flash_attn_fwd_sm90(const elem_t* q, const elem_t* k, const elem_t* v, elem_t* o, float* lse, long long q_stride_b, long long q_stride_s, long long q_stride_h, long long k_stride_b, long long k_stride_s, long long k_stride_h, long long v_stride_b, long long v_stride_s, long long v_stride_h, long long o_stride_b, long long o_stride_s, long long o_stride_h, int batch, int heads, int heads_k, int seqlen_q, int seqlen_k, float softmax_scale, const __grid_constant__ kg::TensorMap tmap_q, const __grid_constant__ kg::TensorMap tmap_k, const __grid_constant__ kg::TensorMap tmap_v, const __grid_constant__ kg::TensorMap tmap_o, int* tile_counter) {
     const kg::FwdArgs<elem_t> args{q, k, v, o, lse,

@@ -55,6 +55,23 @@
 
 namespace kg {
 
+// One K or V tile (`off`: its slot's offset) for the KV block at key col0: the whole tile, or
+// with a cluster this CTA's panels of it, multicast to every CTA of the cluster. Either way each
+// CTA's full barrier waits for the whole tile's bytes.
+template <class C>
+__device__ __forceinline__ void load_kv_tile(u32 base, u32 off, const TensorMap& map, u32 full,
+                                             int col0, int kv_head, int batch) {
+    mbarrier_arrive_expect_tx(full, C::kTileKV);
+    if constexpr (C::kCluster == 1) {
+        tma_load_5d(base + off, map, full, 0, col0, 0, kv_head, batch, kEvictLast);
+    } else {
+        const u32 rank = cluster_rank();
+        tma_load_5d_multicast(base + off + rank * C::kClusterSlice, map, full, 0, col0,
+                              int(rank) * C::kClusterPanels, kv_head, batch,
+                              u16((1u << C::kCluster) - 1), kEvictLast);
+    }
+}
+
 // The producer thread, for the `tile`-th tile of this CTA whose first KV block is the ring's
 // `it0`-th: Q once the consumers are done with the Q buffer's previous tile (its epilogue stages O
 // there), then K and V of every KV block this tile sees, last block first.
@@ -92,18 +109,14 @@ __device__ __forceinline__ void sm90_produce(u32 base, Sm90Barriers<C> bar, cons
         const u32 parity = ((it0 + i) / C::kStages) & 1;
         const int col0 = w.col0(i, C::kBlockN);
         mbarrier_wait(bar.empty_k(s), parity ^ 1);
-        mbarrier_arrive_expect_tx(bar.full_k(s), C::kTileKV);
-        tma_load_5d(base + C::kOffK + s * C::kTileKV, map_k, bar.full_k(s), 0, col0, 0, kv_head,
-                    batch, kEvictLast);
+        load_kv_tile<C>(base, C::kOffK + s * C::kTileKV, map_k, bar.full_k(s), col0, kv_head, batch);
         // The first K goes before the other warpgroups' rows of Q: the first warpgroup may be
         // ready for both while the others still finish the previous tile's epilogue.
         if constexpr (C::kQSplit)
             if (i == 0)
                 for (int g = 1; g < C::kConsumers; ++g) load_q_rows(g);
         mbarrier_wait(bar.empty_v(s), parity ^ 1);
-        mbarrier_arrive_expect_tx(bar.full_v(s), C::kTileKV);
-        tma_load_5d(base + C::kOffV + s * C::kTileKV, map_v, bar.full_v(s), 0, col0, 0, kv_head,
-                    batch, kEvictLast);
+        load_kv_tile<C>(base, C::kOffV + s * C::kTileKV, map_v, bar.full_v(s), col0, kv_head, batch);
     }
 }
 
@@ -138,6 +151,18 @@ __device__ __forceinline__ void issue_pv(float (&acc_o)[C::kAccO],
     for (int kk = 0; kk < C::kBlockN / 16; ++kk)
         C::PvGemm::mma(acc_o, p[kk], desc_v + ((kk * 16 * C::kSwizzle) >> 4));
     wgmma_commit();
+}
+
+// A consumer warp is done with a K or V slot (`empty`: its barrier): one arrival, from lane 0;
+// with a cluster, on that barrier in every CTA of the cluster (lane r arrives at rank r's), whose
+// producers multicast into this CTA's slot too.
+template <class C>
+__device__ __forceinline__ void release_kv_slot(u32 empty, int lane) {
+    if constexpr (C::kCluster == 1) {
+        if (lane == 0) mbarrier_arrive(empty);
+    } else {
+        if (lane < C::kCluster) mbarrier_arrive_cluster(empty, u32(lane));
+    }
 }
 
 // Pingpong: consumer warpgroups take turns issuing their GEMMs, so one runs softmax while another's
@@ -231,7 +256,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     // After the wait for S of block i: its K slot is free; the mods rewrite and mask S.
     const auto finish_qk = [&](int i, int early, const ModBits<C>& bits) {
         fence_operands(acc_s);
-        if (lane == 0) mbarrier_arrive(bar.empty_k(stage(i)));
+        release_kv_slot<C>(bar.empty_k(stage(i)), lane);
         const int c0 = block_col0(i, early);
         if constexpr (Mods::kScoreMod) modify_scores<C>(acc_s, a, mods, w, c0, lane_row);
         mask_scores<C>(acc_s, a, mods, w, bits, c0, wg_row0, lane_row);
@@ -276,7 +301,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             issue_pv<C>(acc_o, p, stage_desc_v(desc_v, i));
             wgmma_wait<0>();
             fence_operands(acc_o);
-            if (lane == 0) mbarrier_arrive(bar.empty_v(stage(i)));
+            release_kv_slot<C>(bar.empty_v(stage(i)), lane);
         }
         (void)is_final();  // no turns to hand on
     } else {
@@ -315,7 +340,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha);
             wgmma_wait<0>();
             fence_operands(acc_o);
-            if (lane == 0) mbarrier_arrive(bar.empty_v(stage(i - 1)));
+            release_kv_slot<C>(bar.empty_v(stage(i - 1)), lane);
             if constexpr (!C::kRescaleEarly) rescale_o<C>(acc_o, alpha);
             pack_p<C>(p, acc_s);
         }
@@ -331,7 +356,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         turns.release(is_final());
         wgmma_wait<0>();
         fence_operands(acc_o);
-        if (lane == 0) mbarrier_arrive(bar.empty_v(stage(last)));
+        release_kv_slot<C>(bar.empty_v(stage(last)), lane);
     }
 
     // Epilogue: O /= l, LSE = (m*c + log2 l) * ln2; rows with l == 0 saw no key: O = 0, LSE = -inf.
@@ -405,12 +430,16 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
                                                const TensorMap& map_v, const TensorMap& map_o,
                                                int* tile_counter, const Mods& mods = Mods{}) {
     extern __shared__ __align__(1024) unsigned char smem[];
+    static_assert(C::kCluster == 1 || (!Mods::kKvRange && !Mods::kBlockSparse),
+                  "a cluster's CTAs must see the same KV blocks");
 
     const TileSchedule<C, Mods> tiles_of_cta(a, mods);
     const int group = a.heads / a.heads_k;
     if constexpr (!C::kPersistent) {
         const TileWork w = tiles_of_cta.at(a, 0);
-        if (w.n_blocks == 0) {  // every row of the tile sees no key: no barriers, no loads
+        // Every row of the tile sees no key: no barriers, no loads. (With a cluster, the other
+        // CTA's tile sees the same keys, none: it returns here too.)
+        if (w.n_blocks == 0) {
             write_empty_tile<C>(a, w, threadIdx.x, C::kThreads);
             return;
         }
@@ -431,8 +460,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
         for (int s = 0; s < C::kStages; ++s) {
             mbarrier_init(bar.full_k(s), 1);
             mbarrier_init(bar.full_v(s), 1);
-            mbarrier_init(bar.empty_k(s), 4 * C::kConsumers);
-            mbarrier_init(bar.empty_v(s), 4 * C::kConsumers);
+            mbarrier_init(bar.empty_k(s), 4 * C::kConsumers * C::kCluster);
+            mbarrier_init(bar.empty_v(s), 4 * C::kConsumers * C::kCluster);
         }
         if constexpr (C::kDynamic)
             for (int j = 0; j < 2; ++j) {
@@ -448,7 +477,12 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
             reinterpret_cast<uint4*>(tiles + C::kOffOnes)[i] = uint4{one, one, one, one};
         fence_proxy_async_shared();
     }
-    __syncthreads();  // the last CTA-wide barrier: the producer's idle threads exit below
+    // The last CTA-wide barrier: the producer's idle threads exit below. With a cluster, over
+    // both CTAs: neither multicasts into or arrives on the other's barriers before their init.
+    if constexpr (C::kCluster > 1)
+        cluster_sync();
+    else
+        __syncthreads();
 
     // `it`: KV blocks through the ring so far; `done`: tiles with work so far (Q's buffer, phase).
     int it = 0, done = 0;
@@ -535,6 +569,10 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
         it += w.n_blocks;
         ++done;
     }
+    // A cluster's CTAs leave together: the other one's consumers may still arrive on this CTA's
+    // empty barriers (exited threads count as arrived at a cluster barrier, so the producer's
+    // returned ones do not hold it up).
+    if constexpr (C::kCluster > 1) cluster_sync();
     // The last tile's O store must have read shared memory before the CTA gives it up.
     if constexpr (C::kTmaStore)
         if (threadIdx.x % 128 == 0) bulk_wait_group_read<0>();

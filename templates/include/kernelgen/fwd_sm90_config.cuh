@@ -13,7 +13,7 @@ namespace kg {
 // pingpong between the consumer warpgroups (see sm90_consume).
 template <class Elem_, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool CAUSAL,
           int SCHEDULE, int PERSISTENT, int Q_BUFFERS, int SUM_MMA, int RESCALE, int Q_SPLIT,
-          class QkGemm_, class PvGemm_>
+          int CLUSTER, class QkGemm_, class PvGemm_>
 struct Sm90Config {
     using Elem = Elem_;
     using QkGemm = QkGemm_;
@@ -41,6 +41,12 @@ struct Sm90Config {
     // first K between the first warpgroup's rows and the rest.
     static constexpr bool kQSplit = Q_SPLIT == 1;
     static constexpr int kQBarriers = kQSplit ? BLOCK_M / 64 : Q_BUFFERS;  // full_q / empty_q each
+    // CLUSTER 2 (FA3's cluster along M): the two CTAs of a cluster compute adjacent query tiles
+    // of one (batch, head), which see the same KV blocks (non-causal, no kv range), and share
+    // every K and V tile: each CTA's producer loads kPanels / CLUSTER panels of it and multicasts
+    // them to both, so each tile leaves L2 once for two SMs. A slot is refilled only when the
+    // consumers of both CTAs have released it (their empty barriers count both CTAs' warps).
+    static constexpr int kCluster = CLUSTER;
     static constexpr int kConsumers = BLOCK_M / 64;          // one warpgroup per 64 query rows
     static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
     // Per-thread register budgets after setmaxnreg (FA3's: 24/240 for 2 consumers, 32/160 for 3).
@@ -52,6 +58,9 @@ struct Sm90Config {
     static constexpr int kStepsPerPanel = kPanel / 16;              // k16 steps inside a panel
     static constexpr u32 kTileQ = BLOCK_M * HEAD_DIM * 2, kTileKV = BLOCK_N * HEAD_DIM * 2;
     static constexpr u32 kOffK = Q_BUFFERS * kTileQ, kOffV = kOffK + STAGES * kTileKV;
+    // One CTA's share of a K or V tile with CLUSTER > 1: its panels, contiguous in the tile.
+    static constexpr int kClusterPanels = kPanels / CLUSTER;
+    static constexpr u32 kClusterSlice = kClusterPanels * BLOCK_N * kSwizzle;
     static constexpr u32 kOffOnes = kOffV + STAGES * kTileKV;  // sum_mma: BLOCK_N rows of ones
     static constexpr u32 kOffBarriers = kOffOnes + (kSumMma ? BLOCK_N * kSwizzle : 0);
     // full_q[], empty_q[] (one per Q buffer), full_k[], empty_k[], full_v[], empty_v[], and
@@ -73,6 +82,8 @@ struct Sm90Config {
                   "a second Q buffer serves the next tile of a persistent CTA");
     static_assert(!kRescaleEarly || SCHEDULE > 0, "rescale 1: a QK^T in flight to hide behind");
     static_assert(!kQSplit || Q_BUFFERS == 1, "q_split: the rows of the one Q buffer");
+    static_assert(CLUSTER == 1 || (CLUSTER == 2 && !PERSISTENT && !CAUSAL && kPanels % 2 == 0),
+                  "a cluster's CTAs share the KV blocks of a CTA per tile, non-causal, by panels");
 };
 
 template <class C>

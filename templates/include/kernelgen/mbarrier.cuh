@@ -42,6 +42,27 @@ __device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
     }
 }
 
+// Thread-block clusters: this CTA's rank in its cluster, and a barrier over every thread of the
+// cluster (threads that have exited count as arrived) whose release / acquire order each CTA's
+// shared-memory writes and mbarrier inits before the others' use of them.
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    return rank;
+}
+
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\n barrier.cluster.wait.acquire;" ::: "memory");
+}
+
+// One arrival on the barrier at `bar`'s offset in the shared memory of the cluster's CTA `rank`
+// (this one's included).
+__device__ __forceinline__ void mbarrier_arrive_cluster(u32 bar, u32 rank) {
+    asm volatile("{\n .reg .b32 remote;\n mapa.shared::cluster.u32 remote, %0, %1;\n"
+                 " mbarrier.arrive.shared::cluster.b64 _, [remote];\n}"
+                 :: "r"(bar), "r"(rank) : "memory");
+}
+
 // Named barriers 1..15 (0 is __syncthreads): `threads` (a multiple of 32) must arrive; sync waits
 // for the others, arrive does not.
 __device__ __forceinline__ void named_barrier_sync(u32 id, u32 threads) {

@@ -32,6 +32,19 @@ __device__ __forceinline__ void tma_load_5d(u32 dst, const TensorMap& map, u32 b
         : "memory");
 }
 
+// The same box, landing at `dst` in every CTA of the cluster that `cta_mask` names (bit r: rank
+// r), and counted on `bar` at the same offset in each: one L2 read for several CTAs' tiles.
+__device__ __forceinline__ void tma_load_5d_multicast(u32 dst, const TensorMap& map, u32 bar, int c0,
+                                                      int c1, int c2, int c3, int c4, u16 cta_mask,
+                                                      u64 hint) {
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        ".multicast::cluster.L2::cache_hint [%0], [%1, {%3, %4, %5, %6, %7}], [%2], %8, %9;"
+        :: "r"(dst), "l"(reinterpret_cast<u64>(&map)), "r"(bar),
+           "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "h"(cta_mask), "l"(hint)
+        : "memory");
+}
+
 // Orders this thread's generic-proxy shared-memory accesses before later async-proxy ones (a TMA
 // load into the same bytes, once an mbarrier hands them over).
 __device__ __forceinline__ void fence_proxy_async_shared() {

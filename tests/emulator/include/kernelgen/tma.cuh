@@ -18,6 +18,10 @@ inline void tma_load_5d(u32 dst, const TensorMap& map, u32 bar, int c0, int c1, 
     emu::tma_load(dst, &map, bar, {c0, c1, c2, c3, c4});
 }
 
+inline void tma_load_5d_multicast(u32, const TensorMap&, u32, int, int, int, int, int, u16, u64) {
+    emu::fail("clusters are not emulated", 0);
+}
+
 inline void fence_proxy_async_shared() {}  // one proxy here: program order suffices
 
 }  // namespace kg
