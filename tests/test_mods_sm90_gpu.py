@@ -42,6 +42,26 @@ def test_softcap(head_dim, causal, config):
         check(got, q, k, v, causal, score_mod=lambda s, *_: 5.0 * torch.tanh(s / 5.0))
 
 
+# Clusters of two CTAs (K and V multicast): allowed for score_mods, which leave every query tile
+# the same KV blocks (non-causal); head dims 128 and 256.
+CLUSTER = {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 0, "cluster": 2}
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_score_mods_in_clusters(head_dim):
+    config = CLUSTER if head_dim == 128 else {**CLUSTER, "block_n": 80, "schedule": 1}
+    torch.manual_seed(head_dim + 1)
+    for b, sq, sk, h, hk in SHAPES:
+        q, k = rand(b, sq, h, head_dim, scale=3), rand(b, sk, hk, head_dim, scale=3)
+        v = rand(b, sk, hk, head_dim)
+        got = run("flash_attn_softcap", q, k, v, False, (5.0,), config)
+        check(got, q, k, v, False, score_mod=lambda s, *_: 5.0 * torch.tanh(s / 5.0))
+        slopes = torch.rand(h, device="cuda") * 0.5
+        got = run("flash_attn_alibi", q, k, v, False, (slopes.data_ptr(), 0), config)
+        check(got, q, k, v, False, score_mod=lambda s, bb, hh, i, j:
+              s - slopes.view(1, h, 1, 1) * (i + sk - sq - j).abs().float())
+
+
 @pytest.mark.parametrize("config", [None, PERSISTENT, DYNAMIC], ids=["default", "persistent", "dynamic"])
 @pytest.mark.parametrize("window", [(16, 0), (64, 64), (-1, 32), (100, -1), (0, 0)])
 @pytest.mark.parametrize("causal", [False, True])

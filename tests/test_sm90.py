@@ -279,10 +279,13 @@ def test_sass_of_a_warp_specialized_wgmma_kernel(built, variant, config):
     assert found["USETMAXREG"] == 2         # the producer's dec and the consumers' inc
     assert found["UTMALDG"] == 3            # Q, K and V, each one TMA load per tile
     # cluster 2: K and V multicast (each CTA its panels), the CTAs meet after the barriers' init
-    # and before they exit, and a K/V slot is released to both CTAs' barriers.
+    # and before they exit (a CTA past seqlen_q on its own path), and a K/V slot is released to
+    # both CTAs' barriers.
     clustered = config["cluster"] == 2
+    source = render.render(SPEC, variant, config).text
+    assert ("__cluster_dims__(2, 1, 1)" in source) == clustered   # what makes the launch a cluster
     assert code.count("UTMALDG.5D.MULTICAST") == (2 if clustered else 0)
-    assert code.count("UCGABAR_WAIT") == (2 if clustered else 0)
+    assert code.count("UCGABAR_WAIT") == (3 if clustered else 0)
     assert ("SYNCS.ARRIVE.TRANS64.RED" in code) == clustered
     # q_buffers 2: O by TMA stores, one per panel of head_dim (a warpgroup's rows of a panel).
     panels = variant["head_dim"] // (64 if variant["head_dim"] % 64 == 0 else 32)

@@ -152,6 +152,17 @@ def test_clusters(monkeypatch, head_dim, config, dtype):
     check_config(monkeypatch, head_dim, config, False, dtype)
 
 
+def test_a_cluster_over_long_keys(monkeypatch):
+    """64 KV blocks through a two-stage ring shared by the two CTAs, five query tiles (the last
+    cluster's second CTA past seqlen_q), three runs: a slot handed back too early shows here."""
+    route_check_to_sm90(monkeypatch, CLUSTER_CONFIGS[1][1] | {"stages": 2})
+    torch.manual_seed(7)
+    q = make(2, 600, 4, 128, torch.bfloat16)
+    k, v = make(2, 8192, 2, 128, torch.bfloat16), make(2, 8192, 2, 128, torch.bfloat16)
+    for _ in range(3):
+        check(q, k, v, False)
+
+
 def test_a_cluster_config_refuses_causal():
     from kernelgen.hopper import flash_attn_forward_sm90
     from kernelgen.spec import SpecError

@@ -101,8 +101,14 @@ __device__ __forceinline__ void sm90_produce(u32 base, Sm90Barriers<C> bar, cons
         load_q_rows(0);
     } else {
         mbarrier_wait(bar.empty_q(j), q_parity<C>(tile) ^ 1);
-        mbarrier_arrive_expect_tx(bar.full_q(j), C::kTileQ);
-        tma_load_5d(base + j * C::kTileQ, map_q, bar.full_q(j), 0, row0, 0, head, batch, kEvictFirst);
+        // A cluster's CTA past seqlen_q has no rows: nobody waits for its Q (pass_kv_ring).
+        bool load_q = true;
+        if constexpr (C::kCluster > 1) load_q = w.q_rows > 0;
+        if (load_q) {
+            mbarrier_arrive_expect_tx(bar.full_q(j), C::kTileQ);
+            tma_load_5d(base + j * C::kTileQ, map_q, bar.full_q(j), 0, row0, 0, head, batch,
+                        kEvictFirst);
+        }
     }
     for (int i = 0; i < n_blocks; ++i) {
         const int s = (it0 + i) % C::kStages;
@@ -162,6 +168,24 @@ __device__ __forceinline__ void release_kv_slot(u32 empty, int lane) {
         if (lane == 0) mbarrier_arrive(empty);
     } else {
         if (lane < C::kCluster) mbarrier_arrive_cluster(empty, u32(lane));
+    }
+}
+
+// The consumers of a cluster's CTA past seqlen_q (the second of the last cluster when a head has
+// an odd number of query tiles): no rows to compute, but this CTA's producer fills its half of
+// every K and V tile for the other CTA, whose producer in turn writes into this one's slots. So
+// each block's K and V are waited for (no copy may still land here once the CTA exits) and
+// released to both CTAs at once.
+template <class C>
+__device__ __forceinline__ void pass_kv_ring(Sm90Barriers<C> bar, int n_blocks) {
+    const int lane = threadIdx.x % 32;
+    for (int i = 0; i < n_blocks; ++i) {
+        const int s = i % C::kStages;
+        const u32 parity = (i / C::kStages) & 1;
+        mbarrier_wait(bar.full_k(s), parity);
+        release_kv_slot<C>(bar.empty_k(s), lane);
+        mbarrier_wait(bar.full_v(s), parity);
+        release_kv_slot<C>(bar.empty_v(s), lane);
     }
 }
 
@@ -522,6 +546,14 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
         return;
     }
     setmaxnreg_inc<C::kConsumerRegs>();
+    if constexpr (C::kCluster > 1) {   // a CTA per tile: the one tile of this CTA
+        const TileWork w = tiles_of_cta.at(a, 0);
+        if (w.q_rows <= 0) {
+            pass_kv_ring<C>(bar, w.n_blocks);
+            cluster_sync();
+            return;
+        }
+    }
     const IssueTurns<C> turns{int(threadIdx.x / 128) - 1};
     if constexpr (C::kDynamic) {
         // Every tile, with work or not, takes one turn per warpgroup (an empty one hands it on
