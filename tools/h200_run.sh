@@ -1,11 +1,12 @@
 #!/bin/bash
 # One device call runs the steps named in $STEPS, each under its own time limit; logs under $OUT.
 #   STEPS="fwd bwd tune sm90 memcheck" bash tools/h200_run.sh
+# Each step runs under STEP_TIMEOUT seconds (240), or T_<step> where set (T_grid=300).
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 KERNELGEN_CACHE_DIR=${KERNELGEN_CACHE_DIR:-/tmp/kgcache}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${STEPS:-"fwd bwd tune sm90 memcheck"}
-T=${STEP_TIMEOUT:-240}
+T0=${STEP_TIMEOUT:-240}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader
 # XDIST workers (pytest-xdist, in the H200 image): the tests are correctness checks, so they may
 # share the GPU; the workers compile in parallel, which is most of the suite's time on one.
@@ -13,6 +14,7 @@ gpu_tests() { timeout $T python3 -m pytest -q -m gpu -p no:cacheprovider --maxfa
                 -n ${XDIST:-8} "$@" 2>&1; }
 for step in $STEPS; do
   echo "=== $step"
+  limit="T_$step"; T=${!limit:-$T0}
   case $step in
     build)   timeout $T python3 -m kernelgen.cli build --arch sm_90 --arch sm_90a -j 16 2>&1 \
                | tee "$OUT/build.log" | tail -3 ;;
@@ -53,6 +55,11 @@ for step in $STEPS; do
              IFS=';' read -ra runs <<< "${BWDCHECK_ARGS:- }"
              for args in "${runs[@]}"; do
                timeout $T python3 tools/bwd_check.py $args 2>&1 | tee -a "$OUT/bwdcheck.log" | tail -6
+             done ;;
+    ab)      # AB_ARGS: argument sets of tools/config_ab.py separated by ';'
+             IFS=';' read -ra runs <<< "${AB_ARGS:- }"
+             for args in "${runs[@]}"; do
+               eval "timeout $T python3 tools/config_ab.py $args" 2>&1 | tee -a "$OUT/ab.log" | tail -${AB_TAIL:-24}
              done ;;
     pytest)  gpu_tests ${PYTEST_ARGS} | tee -a "$OUT/pytest.log" | tail -30 ;;
     all)     gpu_tests tests/ | tee "$OUT/all.log" | tail -30 ;;
