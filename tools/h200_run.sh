@@ -64,8 +64,9 @@ for step in $STEPS; do
     pytest)  gpu_tests ${PYTEST_ARGS} | tee -a "$OUT/pytest.log" | tail -30 ;;
     all)     gpu_tests tests/ | tee "$OUT/all.log" | tail -30 ;;
     sm90)    gpu_tests tests/test_sm90_gpu.py | tee "$OUT/sm90.log" | tail -30 ;;
-    memcheck) timeout $T compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
-               python3 tools/ragged.py 2>&1 | tee "$OUT/memcheck.log" | tail -6 ;;
+    memcheck|synccheck) # RAGGED_ARGS: tools/ragged.py's (--clusters: the short run)
+             timeout $T compute-sanitizer --tool $step --report-api-errors no --error-exitcode 9 \
+               python3 tools/ragged.py ${RAGGED_ARGS} 2>&1 | tee "$OUT/$step.log" | tail -6 ;;
     overhead) timeout 120 python3 tools/overhead.py 2>&1 | tee "$OUT/overhead.log" ;;
     demo)    timeout 200 python3 -m kernelgen.demo 2>&1 | tee "$OUT/demo.log" ;;
     sweep)   timeout $T python3 tools/sweep.py ${SWEEP_ARGS} 2>&1 | tee "$OUT/sweep.log" ;;

@@ -1,9 +1,10 @@
 """Ragged shapes for compute-sanitizer memcheck: every head dim, both masks, lengths that are not
 tile multiples, GQA; forward, backward (through autograd) and the modifier specs. Exits non-zero
 if any output is wrong.
-    python tools/ragged.py [--mask-mods [HEAD_DIM ...]]
+    python tools/ragged.py [--mask-mods [HEAD_DIM ...] | --clusters]
 --mask-mods: only the mask_mod specs (window, document; forward and gradient) at the head dims
-given (default all): the short run for a change to how the kernels evaluate a mask_mod."""
+given (default all): the short run for a change to how the kernels evaluate a mask_mod.
+--clusters: only the Hopper forward's clusters (CLUSTER, and its 3-stage pingpong sibling)."""
 import argparse
 
 import torch
@@ -34,7 +35,33 @@ def report(ok, *what):
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--mask-mods", type=int, nargs="*", metavar="HEAD_DIM",
                     help="only the window and document specs, at these head dims (none: all)")
-MASK_MODS = parser.parse_args().mask_mods
+parser.add_argument("--clusters", action="store_true",
+                    help="only the Hopper forward's cluster configs (head dims 128 and 256)")
+opts = parser.parse_args()
+MASK_MODS = opts.mask_mods
+
+
+def check_clusters():
+    """Both cluster configs on the ragged shapes and a long-keys one (a ring that wraps)."""
+    pingpong = {**CLUSTER, "block_n": 128, "stages": 3, "schedule": 2}
+    for head_dim in (128, 256):
+        for config in (CLUSTER, pingpong) if head_dim == 128 else (CLUSTER,):
+            for seqlen_q, seqlen_k in ((1, 1), (17, 33), (130, 77), (77, 130), (390, 2100)):
+                q, k, v = (torch.randn(2, n, h, head_dim, device="cuda", dtype=torch.float16)
+                           for n, h in ((seqlen_q, 4), (seqlen_k, 2), (seqlen_k, 2)))
+                ref, _ = attention_ref(q, k, v, False)
+                pt, _ = attention_ref(q, k, v, False, upcast=False)
+                out, _ = flash_attn_forward_sm90(q, k, v, False, config=config)
+                report(max_error(out, ref) <= 2 * max_error(pt, ref) + rounding_allowance(ref),
+                       "fwd cluster", head_dim, config, seqlen_q, seqlen_k)
+
+
+if opts.clusters:
+    if HOPPER:
+        check_clusters()
+    torch.cuda.synchronize()
+    print(f"ragged clusters: {bad} wrong" + ("" if HOPPER else " (no Hopper GPU: nothing ran)"))
+    raise SystemExit(1 if bad else 0)
 for head_dim in MASK_MODS or (64, 96, 128, 192, 256):
     for causal in (False, True):
         for seqlen_q, seqlen_k in ((1, 1), (17, 33), (130, 77), (77, 130)):
