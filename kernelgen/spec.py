@@ -156,8 +156,11 @@ MOD_CONTEXTS = {
                        "seqlen_q", "seqlen_k"),
     "mask_mod": ("batch", "head", "q_idx", "kv_idx", "seqlen_q", "seqlen_k"),
     "kv_range": ("q_first", "q_last", "batch", "head", "seqlen_q", "seqlen_k"),
+    # score_fold (ScoreFold): Q's factor, once per tile, and the score_mod of the scaled Q's qk.
+    "q_scale": ("softmax_scale", "batch", "head", "seqlen_q", "seqlen_k"),
+    "folded": ("qk", "batch", "head", "q_idx", "kv_idx", "seqlen_q", "seqlen_k"),
 }
-SCORE_FOLD_KEYS = ("scale", "score_mod")
+SCORE_FOLD_KEYS = ("scale", "q_scale", "score_mod")
 KV_RANGE_KEYS = ("lo", "hi", "full_lo", "full_hi")
 # `mods.block_sparse: true` adds these kernel arguments after the mod args: a block mask's lists
 # for the kernel's tile (kernelgen/blockmask.py). Row r = batch * bm_stride_b + head * bm_stride_h
@@ -174,12 +177,14 @@ BLOCK_SPARSE_ARGS = (
 
 @dataclass(frozen=True)
 class ScoreFold:
-    """The score_mod written as scale * score_mod', so that the Hopper forward runs score_mod' and
-    folds `scale` into the softmax's exp2 constant: one multiply per score fewer (FA3's softcap).
+    """The score_mod written as scale * score_mod(qk * q_scale), so that the Hopper forward can
+    multiply Q by q_scale once per tile (in its 16-bit type: one more rounding of Q) and fold
+    `scale` into the softmax's exp2 constant: two multiplies per score fewer (FA3's softcap).
     `scale` is an f32 mod argument, positive at every call (the launcher checks: the row max of
     the folded scores is the row max of the scores only for a positive scale). The other kernels
     run the spec's score_mod itself."""
     scale: str
+    q_scale: CExpr
     score_mod: CExpr
 
 
@@ -663,8 +668,8 @@ def _mods(value, text: bytes, at: _At, names: _Names, params) -> Mods:
         if parts["scale"] not in scalars:
             raise where["scale"].error(f"expected the name of an f32 mod argument, got "
                                        f"{parts['scale']!r}", scalars)
-        fold = ScoreFold(parts["scale"], check("score_mod", parts["score_mod"], "score_fold",
-                                               "score_mod"))
+        fold = ScoreFold(parts["scale"], check("q_scale", parts["q_scale"], "score_fold", "q_scale"),
+                         check("folded", parts["score_mod"], "score_fold", "score_mod"))
     return Mods(found.get("score_mod"), found.get("score_mod_grad"), found.get("mask_mod"),
                 kv_range, args, block_sparse, exact, fold)
 

@@ -117,13 +117,14 @@ def test_an_exact_range_needs_a_mask_mod_and_reaches_the_kernel(tmp_path):
 
 
 @pytest.mark.parametrize("fold, match", [
-    ('{scale: cap, score_mod: "tanh_approx(qk * (softmax_scale / cap))"}', None),
-    ('{scale: slopes, score_mod: "score"}',
+    ('{scale: cap, q_scale: "softmax_scale / cap", score_mod: "tanh_approx(qk)"}', None),
+    ('{scale: slopes, q_scale: "1.0f", score_mod: "qk"}',
      "score_fold.scale: expected the name of an f32 mod argument, got 'slopes'; allowed: cap"),
-    ('{scale: cap, score_mod: "tanh_approx(undefined_thing)"}',
-     "name 'undefined_thing' is not defined here"),
-    ('{scale: cap}', "score_fold.score_mod: missing required key"),
-    ('{scale: cap, score_mod: "score", q_scale: "1.0f"}', "score_fold.q_scale: unknown key"),
+    ('{scale: cap, q_scale: "softmax_scale / (float)q_idx", score_mod: "qk"}',
+     "name 'q_idx' is not defined here"),         # Q is scaled once per tile, not per row
+    ('{scale: cap, q_scale: "1.0f", score_mod: "tanh_approx(score)"}',
+     "name 'score' is not defined here"),         # the folded mod sees the scaled Q's qk only
+    ('{scale: cap, q_scale: "1.0f"}', "score_fold.score_mod: missing required key"),
 ])
 def test_score_fold_is_checked(tmp_path, fold, match):
     body = f"""
@@ -138,7 +139,7 @@ def test_score_fold_is_checked(tmp_path, fold, match):
         """
     if match is None:
         fold = load_spec(write(tmp_path, body)).mods.score_fold
-        assert fold.scale == "cap" and fold.score_mod.names == {"qk", "softmax_scale", "cap"}
+        assert fold.scale == "cap" and fold.score_mod.text == "tanh_approx(qk)"
     else:
         with pytest.raises(SpecError, match=re.escape(match) if "'" in match else match):
             load_spec(write(tmp_path, body))
@@ -150,7 +151,7 @@ def test_score_fold_needs_a_score_mod_and_reaches_the_hopper_kernel_only(tmp_pat
         extends: flash_attn_fwd
         mods:
           args: [{name: cap, type: f32}]
-          score_fold: {scale: cap, score_mod: "score"}
+          score_fold: {scale: cap, q_scale: "1.0f", score_mod: "qk"}
         """)
     with pytest.raises(SpecError, match="a folded form of a score_mod; this spec has none"):
         load_spec(path)

@@ -25,8 +25,8 @@ struct Mods {
     static constexpr bool kKvRange = false;
     static constexpr bool kExactRange = false;
     static constexpr bool kBlockSparse = false;
-    // score_fold: the score_mod as fold_scale() * folded_mod(...) (spec.py's ScoreFold), which
-    // the Hopper forward takes instead of score_mod, the scale going into its exp2.
+    // score_fold: the score_mod as fold_scale() * folded_mod(qk * fold_q_scale(...)) (spec.py's
+    // ScoreFold), which the Hopper forward takes instead of score_mod.
     static constexpr bool kScoreFold = false;
     // Whether score_mod / mask_mod read memory at a per-token index (kg::mod_index).
     static constexpr bool kClampIndices = false;

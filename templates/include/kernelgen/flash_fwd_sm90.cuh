@@ -308,6 +308,9 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
 
     const int q_bar = C::kQSplit ? wg : slot;  // the barriers of this warpgroup's rows of Q
     mbarrier_wait(bar.full_q(q_bar), q_parity<C>(tile));
+    if constexpr (Mods::kScoreFold)
+        scale_q_rows<C>(q_tile, wg, mods.fold_q_scale(a.softmax_scale, w.batch, w.head,
+                                                       a.seqlen_q, a.seqlen_k));
     if constexpr (C::kSchedule == 0) {
         // Plain: S, softmax, O += P V, one block after the other (the other warpgroups fill in).
         for (int i = 0; i < n_blocks; ++i) {
