@@ -10,7 +10,6 @@ need the SM count) kept per call signature, the map addresses patched in per cal
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -68,11 +67,6 @@ def forward_sm90(spec: str | KernelSpec, q, k, v, params: Mapping, softmax_scale
                         f"{[a.name for a in mod_args]}")
     values = tuple(_value(onto, arg, x, q.device) for arg, x in zip(mod_args, mod_values))
     scalars = tuple((a.name, x) for a, x in zip(mod_args, values) if a.type != "ptr")
-    fold = onto.mods.score_fold
-    if fold is not None and not (math.isfinite(dict(scalars)[fold.scale])
-                                 and dict(scalars)[fold.scale] > 0):
-        raise ValueError(f"{onto.name}: {fold.scale} must be a positive number (mods.score_fold "
-                         f"folds it into the softmax), got {dict(scalars)[fold.scale]!r}")
     signature = (onto.content_hash, tuple(sorted(params.items())), q.shape, k.shape, v.shape,
                  q.stride(), k.stride(), v.stride(), q.dtype, q.device,
                  None if config is None else tuple(sorted(config.items())), scalars)

@@ -156,11 +156,7 @@ MOD_CONTEXTS = {
                        "seqlen_q", "seqlen_k"),
     "mask_mod": ("batch", "head", "q_idx", "kv_idx", "seqlen_q", "seqlen_k"),
     "kv_range": ("q_first", "q_last", "batch", "head", "seqlen_q", "seqlen_k"),
-    # score_fold (ScoreFold): Q's factor, once per tile, and the score_mod of the scaled Q's qk.
-    "q_scale": ("softmax_scale", "batch", "head", "seqlen_q", "seqlen_k"),
-    "folded": ("qk", "batch", "head", "q_idx", "kv_idx", "seqlen_q", "seqlen_k"),
 }
-SCORE_FOLD_KEYS = ("scale", "q_scale", "score_mod")
 KV_RANGE_KEYS = ("lo", "hi", "full_lo", "full_hi")
 # `mods.block_sparse: true` adds these kernel arguments after the mod args: a block mask's lists
 # for the kernel's tile (kernelgen/blockmask.py). Row r = batch * bm_stride_b + head * bm_stride_h
@@ -173,19 +169,6 @@ BLOCK_SPARSE_ARGS = (
     Arg("bm_stride_b", "i32", "int"), Arg("bm_stride_h", "i32", "int"),
     Arg("bm_width", "i32", "int"),
 )
-
-
-@dataclass(frozen=True)
-class ScoreFold:
-    """The score_mod written as scale * score_mod(qk * q_scale), so that the Hopper forward can
-    multiply Q by q_scale once per tile (in its 16-bit type: one more rounding of Q) and fold
-    `scale` into the softmax's exp2 constant: two multiplies per score fewer (FA3's softcap).
-    `scale` is an f32 mod argument, positive at every call (the launcher checks: the row max of
-    the folded scores is the row max of the scores only for a positive scale). The other kernels
-    run the spec's score_mod itself."""
-    scale: str
-    q_scale: CExpr
-    score_mod: CExpr
 
 
 @dataclass(frozen=True)
@@ -210,7 +193,6 @@ class Mods:
     # mask_mod shows row i, so the Hopper forward masks partially visible tiles with two
     # compares per score against each row's bounds instead of evaluating mask_mod.
     exact_range: bool = False
-    score_fold: ScoreFold | None = None
 
     @property
     def any(self) -> bool:
@@ -226,8 +208,7 @@ class Mods:
         tensors = {a.name for a in self.args if a.type == "ptr"}
         return any(expr is not None and bool(tensors & expr.unsubscripted
                                              or {"q_idx", "kv_idx"} & expr.subscripted)
-                   for expr in (self.score_mod, self.score_mod_grad, self.mask_mod,
-                                self.score_fold and self.score_fold.score_mod))
+                   for expr in (self.score_mod, self.score_mod_grad, self.mask_mod))
 
     @property
     def block_args(self) -> tuple:
@@ -620,8 +601,7 @@ def _yaml_lines(text: bytes, *keys: str) -> int:
 
 
 def _mods(value, text: bytes, at: _At, names: _Names, params) -> Mods:
-    body = _keys(value, at, (), ("args", "block_sparse", "score_fold", "score_mod",
-                                 "score_mod_grad", "mask_mod", "kv_range"))
+    body = _keys(value, at, (), ("args", "block_sparse", *MOD_CONTEXTS))
     args = tuple(_arg(v, at["args"][i])
                  for i, v in enumerate(_list(body.get("args", []), at["args"], nonempty=False)))
     for i, arg in enumerate(args):
@@ -658,20 +638,8 @@ def _mods(value, text: bytes, at: _At, names: _Names, params) -> Mods:
     if block_sparse:
         for arg in BLOCK_SPARSE_ARGS:
             names.define(arg.name, at["block_sparse"])
-    fold = None
-    if "score_fold" in body:
-        where = at["score_fold"]
-        if "score_mod" not in found:
-            raise where.error("a folded form of a score_mod; this spec has none")
-        parts = _keys(body["score_fold"], where, SCORE_FOLD_KEYS)
-        scalars = [a.name for a in args if a.type == "f32"]
-        if parts["scale"] not in scalars:
-            raise where["scale"].error(f"expected the name of an f32 mod argument, got "
-                                       f"{parts['scale']!r}", scalars)
-        fold = ScoreFold(parts["scale"], check("q_scale", parts["q_scale"], "score_fold", "q_scale"),
-                         check("folded", parts["score_mod"], "score_fold", "score_mod"))
     return Mods(found.get("score_mod"), found.get("score_mod_grad"), found.get("mask_mod"),
-                kv_range, args, block_sparse, exact, fold)
+                kv_range, args, block_sparse, exact)
 
 
 def _derived(value, at: _At, names: _Names) -> tuple[tuple[str, Expr], ...]:

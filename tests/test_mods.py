@@ -1,6 +1,5 @@
 """Specs with mods on the CPU: extends:, checking of the C expressions before NVRTC, NVRTC's
 messages pointing at the spec's line, and the shipped modifier specs compiling clean."""
-import re
 import textwrap
 
 import pytest
@@ -114,54 +113,6 @@ def test_an_exact_range_needs_a_mask_mod_and_reaches_the_kernel(tmp_path):
     variant = window.variant("sm_90a", head_dim=64, dtype="bf16", causal=True)
     assert "kExactRange = true;" in render.render(window, variant,
                                                   window.default_config(variant)).text
-
-
-@pytest.mark.parametrize("fold, match", [
-    ('{scale: cap, q_scale: "softmax_scale / cap", score_mod: "tanh_approx(qk)"}', None),
-    ('{scale: slopes, q_scale: "1.0f", score_mod: "qk"}',
-     "score_fold.scale: expected the name of an f32 mod argument, got 'slopes'; allowed: cap"),
-    ('{scale: cap, q_scale: "softmax_scale / (float)q_idx", score_mod: "qk"}',
-     "name 'q_idx' is not defined here"),         # Q is scaled once per tile, not per row
-    ('{scale: cap, q_scale: "1.0f", score_mod: "tanh_approx(score)"}',
-     "name 'score' is not defined here"),         # the folded mod sees the scaled Q's qk only
-    ('{scale: cap, q_scale: "1.0f"}', "score_fold.score_mod: missing required key"),
-])
-def test_score_fold_is_checked(tmp_path, fold, match):
-    body = f"""
-        name: my_attention
-        extends: flash_attn_fwd
-        mods:
-          args:
-            - {{name: cap, type: f32}}
-            - {{name: slopes, type: ptr, ctype: "const float*"}}
-          score_mod: "cap * tanh_approx(qk * (softmax_scale / cap))"
-          score_fold: {fold}
-        """
-    if match is None:
-        fold = load_spec(write(tmp_path, body)).mods.score_fold
-        assert fold.scale == "cap" and fold.score_mod.text == "tanh_approx(qk)"
-    else:
-        with pytest.raises(SpecError, match=re.escape(match) if "'" in match else match):
-            load_spec(write(tmp_path, body))
-
-
-def test_score_fold_needs_a_score_mod_and_reaches_the_hopper_kernel_only(tmp_path):
-    path = write(tmp_path, """
-        name: my_attention
-        extends: flash_attn_fwd
-        mods:
-          args: [{name: cap, type: f32}]
-          score_fold: {scale: cap, q_scale: "1.0f", score_mod: "qk"}
-        """)
-    with pytest.raises(SpecError, match="a folded form of a score_mod; this spec has none"):
-        load_spec(path)
-    spec = load_spec("flash_attn_softcap", onto="flash_attn_fwd_sm90")
-    variant = spec.variant("sm_90a", head_dim=128, dtype="bf16", causal=False)
-    assert "kScoreFold = true;" in render.render(spec, variant, spec.default_config(variant)).text
-    # Only the Hopper forward calls the folded form; the other kernels run score_mod itself.
-    include = REPO_ROOT / "templates" / "include" / "kernelgen"
-    assert sorted(p.name for p in include.glob("*.cuh") if "folded_mod(" in p.read_text()) == [
-        "fwd_sm90_masks.cuh"]
 
 
 def test_unknown_name_lists_what_may_be_used(tmp_path):

@@ -82,11 +82,6 @@ def test_sass_of_the_mods_kernels(built, name, variant, config):
     assert ("kScoreMod = true" in source.text) == bool(mods.score_mod)
     assert ("kMaskMod = true" in source.text) == bool(mods.mask_mod)
     assert ("kKvRange = true" in source.text) == bool(mods.kv_range)
-    # A folded score_mod scales each warpgroup's rows of Q once per tile: 16-byte chunks of
-    # 4 HMUL2, 64 rows of each panel per warpgroup, 128 threads.
-    swizzle = spec.environment(variant, config)["swizzle"]
-    panels, chunks = variant["head_dim"] * 2 // swizzle, 64 * swizzle // 16 // 128
-    assert found["HMUL2"] == (4 * panels * chunks if mods.score_fold else 0)
 
 
 # ---- forward_sm90 without a GPU: the launch it makes ------------------------------------------
@@ -167,8 +162,4 @@ def test_forward_sm90_checks_the_mod_values(no_gpu):
         mods_sm90.forward_sm90("flash_attn_window", q, q, q, params, 0.125, (3,))
     with pytest.raises(ValueError, match="a tensor for softcap"):
         mods_sm90.forward_sm90("flash_attn_softcap", q, q, q, params, 0.125, (torch.ones(1),))
-    # softcap's score_fold puts it in the softmax's exp2: the row max holds only for a positive one.
-    for cap in (0.0, -2.0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="softcap must be a positive number .mods.score_fold"):
-            mods_sm90.forward_sm90("flash_attn_softcap", q, q, q, params, 0.125, (cap,))
     assert not no_gpu[0]

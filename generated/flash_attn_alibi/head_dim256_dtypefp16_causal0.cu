@@ -27,9 +27,6 @@ struct Mods {
     static constexpr bool kKvRange = false;
     static constexpr bool kExactRange = false;
     static constexpr bool kBlockSparse = false;
-    // score_fold: the score_mod as fold_scale() * folded_mod(qk * fold_q_scale(...)) (spec.py's
-    // ScoreFold), which the Hopper forward takes instead of score_mod.
-    static constexpr bool kScoreFold = false;
     // Whether score_mod / mask_mod read memory at a per-token index (kg::mod_index).
     static constexpr bool kClampIndices = false;
     __device__ __forceinline__ kg::SparseRow sparse_row(int, int, int) const {
@@ -44,7 +41,7 @@ struct Mods {
         [[maybe_unused]] const float score = qk * softmax_scale;
 #line 11 "specs/flash_attn_alibi.yaml"
         return (score - alibi_slopes[batch * alibi_stride_b + head] * fabsf((float)(q_idx + seqlen_k - seqlen_q - kv_idx)));
-#line 46 "flash_attn_alibi__head_dim256_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+#line 43 "flash_attn_alibi__head_dim256_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ bool mask_mod(int batch, int head, int q_idx, int kv_idx,
                                              int seqlen_q, int seqlen_k) const {

@@ -34,9 +34,6 @@ struct Mods {
     static constexpr bool kKvRange = false;
     static constexpr bool kExactRange = false;
     static constexpr bool kBlockSparse = true;
-    // score_fold: the score_mod as fold_scale() * folded_mod(qk * fold_q_scale(...)) (spec.py's
-    // ScoreFold), which the Hopper forward takes instead of score_mod.
-    static constexpr bool kScoreFold = false;
     // Whether score_mod / mask_mod read memory at a per-token index (kg::mod_index).
     static constexpr bool kClampIndices = true;
 
@@ -61,7 +58,7 @@ struct Mods {
                                              int seqlen_q, int seqlen_k) const {
 #line 12 "specs/flash_attn_document.yaml"
         return (doc_q[batch * seqlen_q + q_idx] == doc_k[batch * seqlen_k + kv_idx]);
-#line 63 "flash_attn_document__head_dim192_dtypebf16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+#line 60 "flash_attn_document__head_dim192_dtypebf16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int kv_lo(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {

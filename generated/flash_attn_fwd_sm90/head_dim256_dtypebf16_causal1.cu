@@ -106,9 +106,6 @@ struct Mods {
     static constexpr bool kKvRange = false;
     static constexpr bool kExactRange = false;
     static constexpr bool kBlockSparse = false;
-    // score_fold: the score_mod as fold_scale() * folded_mod(qk * fold_q_scale(...)) (spec.py's
-    // ScoreFold), which the Hopper forward takes instead of score_mod.
-    static constexpr bool kScoreFold = false;
     // Whether score_mod / mask_mod read memory at a per-token index (kg::mod_index).
     static constexpr bool kClampIndices = false;
     __device__ __forceinline__ kg::SparseRow sparse_row(int, int, int) const {

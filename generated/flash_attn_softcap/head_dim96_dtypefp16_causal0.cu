@@ -26,9 +26,6 @@ struct Mods {
     static constexpr bool kKvRange = false;
     static constexpr bool kExactRange = false;
     static constexpr bool kBlockSparse = false;
-    // score_fold: the score_mod as fold_scale() * folded_mod(qk * fold_q_scale(...)) (spec.py's
-    // ScoreFold), which the Hopper forward takes instead of score_mod.
-    static constexpr bool kScoreFold = true;
     // Whether score_mod / mask_mod read memory at a per-token index (kg::mod_index).
     static constexpr bool kClampIndices = false;
     __device__ __forceinline__ kg::SparseRow sparse_row(int, int, int) const {
@@ -43,21 +40,7 @@ struct Mods {
         [[maybe_unused]] const float score = qk * softmax_scale;
 #line 12 "specs/flash_attn_softcap.yaml"
         return (softcap * tanh_approx(qk * (softmax_scale / softcap)));
-#line 45 "flash_attn_softcap__head_dim96_dtypefp16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
-    }
-    __device__ __forceinline__ float fold_scale() const { return softcap; }
-    __device__ __forceinline__ float fold_q_scale(float softmax_scale, int batch, int head,
-                                                  int seqlen_q, int seqlen_k) const {
-#line 16 "specs/flash_attn_softcap.yaml"
-        return (softmax_scale / softcap);
-#line 52 "flash_attn_softcap__head_dim96_dtypefp16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
-    }
-    // qk: the dot product of the scaled Q's row and the key.
-    __device__ __forceinline__ float folded_mod(float qk, int batch, int head, int q_idx,
-                                                int kv_idx, int seqlen_q, int seqlen_k) const {
-#line 16 "specs/flash_attn_softcap.yaml"
-        return (tanh_approx(qk));
-#line 59 "flash_attn_softcap__head_dim96_dtypefp16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 42 "flash_attn_softcap__head_dim96_dtypefp16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ bool mask_mod(int batch, int head, int q_idx, int kv_idx,
                                              int seqlen_q, int seqlen_k) const {

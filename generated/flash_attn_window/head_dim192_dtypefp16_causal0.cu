@@ -27,9 +27,6 @@ struct Mods {
     static constexpr bool kKvRange = true;
     static constexpr bool kExactRange = true;
     static constexpr bool kBlockSparse = false;
-    // score_fold: the score_mod as fold_scale() * folded_mod(qk * fold_q_scale(...)) (spec.py's
-    // ScoreFold), which the Hopper forward takes instead of score_mod.
-    static constexpr bool kScoreFold = false;
     // Whether score_mod / mask_mod read memory at a per-token index (kg::mod_index).
     static constexpr bool kClampIndices = false;
     __device__ __forceinline__ kg::SparseRow sparse_row(int, int, int) const {
@@ -48,31 +45,31 @@ struct Mods {
                                              int seqlen_q, int seqlen_k) const {
 #line 13 "specs/flash_attn_window.yaml"
         return ((window_left < 0 || kv_idx >= q_idx + seqlen_k - seqlen_q - window_left) && (window_right < 0 || kv_idx <= q_idx + seqlen_k - seqlen_q + window_right));
-#line 50 "flash_attn_window__head_dim192_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+#line 47 "flash_attn_window__head_dim192_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int kv_lo(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 17 "specs/flash_attn_window.yaml"
         return (window_left < 0 ? 0 : q_first + seqlen_k - seqlen_q - window_left);
-#line 56 "flash_attn_window__head_dim192_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+#line 53 "flash_attn_window__head_dim192_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int kv_hi(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 18 "specs/flash_attn_window.yaml"
         return (window_right < 0 ? seqlen_k : q_last + seqlen_k - seqlen_q + window_right + 1);
-#line 62 "flash_attn_window__head_dim192_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+#line 59 "flash_attn_window__head_dim192_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int full_lo(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 19 "specs/flash_attn_window.yaml"
         return (window_left < 0 ? 0 : q_last + seqlen_k - seqlen_q - window_left);
-#line 68 "flash_attn_window__head_dim192_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+#line 65 "flash_attn_window__head_dim192_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int full_hi(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 20 "specs/flash_attn_window.yaml"
         return (window_right < 0 ? (1 << 30) : q_first + seqlen_k - seqlen_q + window_right + 1);
-#line 74 "flash_attn_window__head_dim192_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+#line 71 "flash_attn_window__head_dim192_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
 };
 

@@ -256,12 +256,8 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     for (int i = 0; i < kAccO; ++i) acc_o[i] = 0.f;
     float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};
     // With a score_mod the scale is applied before it (the mod sees scaled scores), and the
-    // softmax then works on the modified scores in log2 units; a folded one leaves its positive
-    // scale to the softmax (the row max of the folded scores is then the scores' own).
-    const float scale_log2 = [&] {
-        if constexpr (Mods::kScoreFold) return mods.fold_scale() * kLog2e;
-        else return Mods::kScoreMod ? kLog2e : a.softmax_scale * kLog2e;
-    }();
+    // softmax then works on the modified scores in log2 units.
+    const float scale_log2 = Mods::kScoreMod ? kLog2e : a.softmax_scale * kLog2e;
     const int wg_row0 = row0 + wg * 64;
     const int lane_row = wg_row0 + warp * 16 + lane / 4;  // this thread's rows: lane_row, +8
     FullRange full{0, 1 << 30};
@@ -308,9 +304,6 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
 
     const int q_bar = C::kQSplit ? wg : slot;  // the barriers of this warpgroup's rows of Q
     mbarrier_wait(bar.full_q(q_bar), q_parity<C>(tile));
-    if constexpr (Mods::kScoreFold)
-        scale_q_rows<C>(q_tile, wg, mods.fold_q_scale(a.softmax_scale, w.batch, w.head,
-                                                       a.seqlen_q, a.seqlen_k));
     if constexpr (C::kSchedule == 0) {
         // Plain: S, softmax, O += P V, one block after the other (the other warpgroups fill in).
         for (int i = 0; i < n_blocks; ++i) {

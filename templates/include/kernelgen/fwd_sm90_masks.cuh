@@ -1,11 +1,9 @@
 // The Hopper forward's score_mod and masks on one block of S accumulators: the built-in masks
 // (sequence end, causal diagonal), a spec's mask_mod as per-thread bits evaluated while the
-// block's QK^T runs, kv ranges, and which blocks need any of it; a folded score_mod's Q scaling.
+// block's QK^T runs, kv ranges, and which blocks need any of it.
 #pragma once
 #include "kernelgen/flash_fwd_sm80.cuh"  // FwdArgs
 #include "kernelgen/fwd_sm90_tiles.cuh"  // TileWork
-#include "kernelgen/mbarrier.cuh"        // named_barrier_sync
-#include "kernelgen/tma.cuh"             // fence_proxy_async_shared
 
 namespace kg {
 
@@ -42,34 +40,6 @@ __device__ __forceinline__ int mod_index(int idx, int seqlen) {
 // Element (i, e) of this thread's S accumulators: row lane_row + (e / 2) * 8, key
 // col0 + 2 * (lane % 4) + 8 * i + (e & 1) (wgmma.cuh). A score_mod rewrites every scaled score,
 // the indices clamped into the sequences where it may read memory at them (mod_index).
-// score_fold: this warpgroup's 64 rows of the Q tile times the fold's q_scale, in place, once per
-// tile (the QK^T then gives the folded score_mod its argument: one multiply per score fewer).
-// Each 16-byte chunk is one thread's; the wgmma reads Q through the async proxy, so the writes
-// are fenced for it and the warpgroup meets before its first QK^T.
-template <class C>
-__device__ __forceinline__ void scale_q_rows(unsigned char* q_tile, int wg, float factor) {
-    using Elem = typename C::Elem;
-    constexpr int kChunks = 64 * C::kSwizzle / 16;  // of one panel's 64 rows
-    static_assert(kChunks % 128 == 0, "whole chunks per thread");
-    const u32 f2 = pack2<Elem>(factor, factor);
-    #pragma unroll
-    for (int panel = 0; panel < C::kPanels; ++panel) {
-        unsigned char* rows = q_tile + (panel * C::kBlockM + wg * 64) * C::kSwizzle;
-        #pragma unroll
-        for (int j = 0; j < kChunks / 128; ++j) {
-            uint4* chunk = reinterpret_cast<uint4*>(rows) + j * 128 + threadIdx.x % 128;
-            uint4 x = *chunk;
-            x.x = mul2<Elem>(x.x, f2);
-            x.y = mul2<Elem>(x.y, f2);
-            x.z = mul2<Elem>(x.z, f2);
-            x.w = mul2<Elem>(x.w, f2);
-            *chunk = x;
-        }
-    }
-    fence_proxy_async_shared();
-    named_barrier_sync(1 + wg, 128);
-}
-
 template <class C, class Mods>
 __device__ __forceinline__ void modify_scores(float (&acc_s)[C::kBlockN / 2],
                                               const FwdArgs<typename C::Elem>& a, const Mods& mods,
@@ -78,16 +48,11 @@ __device__ __forceinline__ void modify_scores(float (&acc_s)[C::kBlockN / 2],
     #pragma unroll
     for (int i = 0; i < C::kBlockN / 8; ++i)
         #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int q_idx = mod_index<Mods>(lane_row + (e / 2) * 8, a.seqlen_q);
-            const int kv_idx = mod_index<Mods>(lane_col + i * 8 + (e & 1), a.seqlen_k);
-            float& s = acc_s[4 * i + e];
-            if constexpr (Mods::kScoreFold)  // Q scaled (scale_q_rows), the scale in the exp2's
-                s = mods.folded_mod(s, w.batch, w.head, q_idx, kv_idx, a.seqlen_q, a.seqlen_k);
-            else
-                s = mods.score_mod(s, a.softmax_scale, w.batch, w.head, q_idx, kv_idx, a.seqlen_q,
-                                   a.seqlen_k);
-        }
+        for (int e = 0; e < 4; ++e)
+            acc_s[4 * i + e] = mods.score_mod(
+                acc_s[4 * i + e], a.softmax_scale, w.batch, w.head,
+                mod_index<Mods>(lane_row + (e / 2) * 8, a.seqlen_q),
+                mod_index<Mods>(lane_col + i * 8 + (e & 1), a.seqlen_k), a.seqlen_q, a.seqlen_k);
 }
 
 // Which blocks evaluate the mask_mod per element: all of them, or with a block mask only its

@@ -29,21 +29,6 @@ template <> __device__ __forceinline__ u32 pack2<half_t>(float lo, float hi) {
     return r;
 }
 
-// Two 16-bit values times two others, rounded once (HMUL2): `a` and `b` as pack2 makes them.
-template <class Elem> __device__ __forceinline__ u32 mul2(u32 a, u32 b);
-
-template <> __device__ __forceinline__ u32 mul2<bf16_t>(u32 a, u32 b) {
-    u32 r;
-    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-
-template <> __device__ __forceinline__ u32 mul2<half_t>(u32 a, u32 b) {
-    u32 r;
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-
 // One MUFU.EX2 per call whatever the compile flags (exp2f may expand to more).
 __device__ __forceinline__ float exp2_approx(float x) {
     float y;

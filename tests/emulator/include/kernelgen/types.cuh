@@ -21,18 +21,6 @@ template <> inline u32 pack2<half_t>(float lo, float hi) {
     return u32(emu::float_to_half(lo)) | (u32(emu::float_to_half(hi)) << 16);
 }
 
-// mul.rn.{bf16,f16}x2: the exact product of each half rounded once to the type, as float math
-// (a 16-bit product is exact in float) then the conversion does.
-template <class Elem> inline u32 mul2(u32 a, u32 b);
-template <> inline u32 mul2<bf16_t>(u32 a, u32 b) {
-    const auto half = [](u32 x, int i) { return emu::bf16_to_float(u16(x >> (16 * i))); };
-    return pack2<bf16_t>(half(a, 0) * half(b, 0), half(a, 1) * half(b, 1));
-}
-template <> inline u32 mul2<half_t>(u32 a, u32 b) {
-    const auto half = [](u32 x, int i) { return emu::half_to_float(u16(x >> (16 * i))); };
-    return pack2<half_t>(half(a, 0) * half(b, 0), half(a, 1) * half(b, 1));
-}
-
 inline float exp2_approx(float x) { return exp2f(x); }
 inline float tanh_approx(float x) { return tanhf(x); }
 inline float log2_approx(float x) { return log2f(x); }
