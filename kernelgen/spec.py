@@ -629,15 +629,6 @@ def _mods(value, text: bytes, at: _At, names: _Names, params) -> Mods:
         if exact and "mask_mod" not in found:
             raise at["kv_range"]["exact"].error("an exact range stands for a mask_mod; this spec "
                                                 "has none")
-        # The Hopper forward evaluates an exact range at each of its rows, padding rows past
-        # seqlen_q included (unclamped: the window's arithmetic bounds need no clamp), so a range
-        # that reads a tensor there would read past it.
-        tensors = sorted({a.name for a in args if a.type == "ptr"}
-                         & set().union(*(bound.names for bound in kv_range)))
-        if exact and tensors:
-            raise at["kv_range"]["exact"].error(
-                f"an exact range may not read tensor arguments ({', '.join(tensors)}): it is "
-                "evaluated at rows past seqlen_q; drop exact (the mask_mod then masks)")
     block_sparse = body.get("block_sparse", False)
     if not isinstance(block_sparse, bool):
         raise at["block_sparse"].error(f"expected true or false, got {_kind(block_sparse)}")

@@ -99,30 +99,6 @@ def test_kv_range_exact_is_checked(tmp_path, extra, match):
         load_spec(path)
 
 
-def test_an_exact_range_may_not_read_tensors(tmp_path):
-    """An exact range is evaluated at every row of a tile, those past seqlen_q too: one that reads
-    a per-token tensor would read past its end there, so the spec is refused; without exact (the
-    bounds then only pick blocks, at rows inside the sequence) it is fine."""
-    body = """
-        name: my_attention
-        extends: flash_attn_fwd
-        mods:
-          args: [{{name: doc_start, type: ptr, ctype: "const int*"}},
-                 {{name: doc_end, type: ptr, ctype: "const int*"}}]
-          mask_mod: "kv_idx >= doc_start[batch * seqlen_q + q_idx] && kv_idx < doc_end[batch * seqlen_q + q_idx]"
-          kv_range:
-            lo: "doc_start[batch * seqlen_q + q_first]"
-            hi: "doc_end[batch * seqlen_q + q_last]"
-            full_lo: "doc_start[batch * seqlen_q + q_last]"
-            full_hi: "doc_end[batch * seqlen_q + q_first]"
-            exact: {exact}
-        """
-    with pytest.raises(SpecError, match=r"kv_range.exact: an exact range may not read tensor "
-                                        r"arguments \(doc_end, doc_start\)"):
-        load_spec(write(tmp_path, body.format(exact="true")))
-    assert not load_spec(write(tmp_path, body.format(exact="false"), name="ok")).mods.exact_range
-
-
 def test_an_exact_range_needs_a_mask_mod_and_reaches_the_kernel(tmp_path):
     path = write(tmp_path, """
         name: my_attention
