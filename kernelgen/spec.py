@@ -211,6 +211,15 @@ class Mods:
                    for expr in (self.score_mod, self.score_mod_grad, self.mask_mod))
 
     @property
+    def range_reads_memory(self) -> bool:
+        """Whether a kv_range bound reads a tensor argument: the Hopper forward's exact path, which
+        evaluates the range at each of a tile's rows (padding rows past seqlen_q too), then clamps
+        those rows into the sequence (per-token bounds, say). The other callers evaluate it at
+        rows inside the sequence."""
+        tensors = {a.name for a in self.args if a.type == "ptr"}
+        return bool(self.kv_range) and any(tensors & bound.names for bound in self.kv_range)
+
+    @property
     def block_args(self) -> tuple:
         return BLOCK_SPARSE_ARGS if self.block_sparse else ()
 

@@ -143,3 +143,42 @@ def test_tutorial_prefix_lm(prefix, cfg):
     q, k, v = qkv(2, 333, 333, 2, 1, 64)
     check(q, k, v, False, config=cfg, seed=prefix, lazy=prefix % 2 == 1, spec=onto(PREFIX_LM),
           mod_args={"prefix_len": prefix}, mask_mod=lambda b, h, i, j: (j <= i) | (j < prefix))
+
+
+def document_ranges(ids):
+    """Per-token [start, end) of each token's run of equal ids (packed documents): the key ranges
+    tests/data/document_ranges.yaml takes, for queries and keys packed alike."""
+    start, end = torch.empty_like(ids), torch.empty_like(ids)
+    for b, row in enumerate(ids.tolist()):
+        first = 0
+        for i in range(1, len(row) + 1):
+            if i == len(row) or row[i] != row[first]:
+                start[b, first:i], end[b, first:i], first = first, i, i
+    return start, end
+
+
+DOCUMENT_RANGES = str(REPO_ROOT / "tests" / "data" / "document_ranges.yaml")
+
+
+@pytest.mark.parametrize("head_dim, causal, cfg", [
+    (128, False, config(persistent=1)),
+    (128, True, config(128, 64, schedule=1, persistent=0)),
+    (64, False, config(192, 96, persistent=0)),
+], ids=["full-persistent", "causal-overlap", "hd64-3wg"])
+def test_document_ranges_as_an_exact_kv_range(head_dim, causal, cfg):
+    """Packed documents as per-token key ranges read by an exact kv range: 230 queries, so the
+    last tile's padding rows evaluate the range (clamped into the sequence: kRangeReadsMemory),
+    and a document of a single token."""
+    batch, seqlen, heads = 2, 230, 2
+    q, k, v = qkv(batch, seqlen, seqlen, heads, heads, head_dim)
+    torch.manual_seed(12)
+    ids = documents(batch, seqlen, 3)
+    ids[1, 150] = 77
+    start, end = document_ranges(ids)
+    assert start[1, 150].item() == 150 and end[1, 150].item() == 151
+    keys = torch.arange(seqlen)
+    visible = ((keys >= start[:, :, None]) & (keys < end[:, :, None]))[:, None]
+    spec = onto(DOCUMENT_RANGES)
+    assert spec.mods.exact_range and spec.mods.range_reads_memory
+    check(q, k, v, causal, config=cfg, seed=5, lazy=causal, spec=spec,
+          mod_args={"doc_start": start, "doc_end": end}, mask_mod=lambda *_: visible)

@@ -6,7 +6,7 @@ ones. Needs compute capability 9.0 (H100/H200):
 import pytest
 import torch
 from test_mods_gpu import SHAPES, check, rand   # the sm80 family's checks, same reference rule
-from test_mods_sm90_emulated import documents
+from test_mods_sm90_emulated import DOCUMENT_RANGES, document_ranges, documents
 
 from kernelgen.mods_sm90 import forward_sm90
 from kernelgen.spec import REPO_ROOT
@@ -106,6 +106,22 @@ def test_document_mask(causal, config):
     got = run("flash_attn_document", q, k, v, causal, (doc_q.data_ptr(), doc_k.data_ptr()), config)
     same = (doc_q[:, :, None] == doc_k[:, None, :])[:, None]  # (batch, 1, seqlen_q, seqlen_k)
     check(got, q, k, v, causal, mask_mod=lambda *_: same)
+
+
+@pytest.mark.parametrize("config", [None, PERSISTENT, DYNAMIC], ids=["default", "persistent", "dynamic"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_document_ranges(causal, config):
+    """tests/data/document_ranges.yaml: packed documents as per-token key ranges, an exact kv
+    range that reads tensors (its padding rows clamped into the sequence); 700 queries, so the
+    last tile has padding rows."""
+    torch.manual_seed(4)
+    batch, seqlen, heads = 2, 700, 4
+    start, end = (t.cuda() for t in document_ranges(documents(batch, seqlen, 5)))
+    q, k, v = (rand(batch, seqlen, heads, 128) for _ in range(3))
+    got = run(DOCUMENT_RANGES, q, k, v, causal, (start.data_ptr(), end.data_ptr()), config)
+    keys = torch.arange(seqlen, device="cuda")
+    visible = ((keys >= start[:, :, None]) & (keys < end[:, :, None]))[:, None]
+    check(got, q, k, v, causal, mask_mod=lambda *_: visible)
 
 
 @pytest.mark.parametrize("config", [None, PERSISTENT, DYNAMIC], ids=["default", "persistent", "dynamic"])

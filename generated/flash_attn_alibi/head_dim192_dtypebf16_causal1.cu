@@ -29,6 +29,8 @@ struct Mods {
     static constexpr bool kBlockSparse = false;
     // Whether score_mod / mask_mod read memory at a per-token index (kg::mod_index).
     static constexpr bool kClampIndices = false;
+    // Whether a kv_range bound reads a tensor (the exact path then clamps its rows).
+    static constexpr bool kRangeReadsMemory = false;
     __device__ __forceinline__ kg::SparseRow sparse_row(int, int, int) const {
         return kg::SparseRow{nullptr, nullptr, 0, 0};  // no block mask: never called
     }
@@ -41,7 +43,7 @@ struct Mods {
         [[maybe_unused]] const float score = qk * softmax_scale;
 #line 11 "specs/flash_attn_alibi.yaml"
         return (score - alibi_slopes[batch * alibi_stride_b + head] * fabsf((float)(q_idx + seqlen_k - seqlen_q - kv_idx)));
-#line 43 "flash_attn_alibi__head_dim192_dtypebf16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+#line 45 "flash_attn_alibi__head_dim192_dtypebf16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ bool mask_mod(int batch, int head, int q_idx, int kv_idx,
                                              int seqlen_q, int seqlen_k) const {

@@ -36,6 +36,8 @@ struct Mods {
     static constexpr bool kBlockSparse = true;
     // Whether score_mod / mask_mod read memory at a per-token index (kg::mod_index).
     static constexpr bool kClampIndices = true;
+    // Whether a kv_range bound reads a tensor (the exact path then clamps its rows).
+    static constexpr bool kRangeReadsMemory = false;
 
     // The block mask's lists of one row (kernelgen/blockmask.py): the blocks `block` of (batch,
     // head) meets, partially visible ones first (mask_mod per element), then fully visible ones.
@@ -58,7 +60,7 @@ struct Mods {
                                              int seqlen_q, int seqlen_k) const {
 #line 12 "specs/flash_attn_document.yaml"
         return (doc_q[batch * seqlen_q + q_idx] == doc_k[batch * seqlen_k + kv_idx]);
-#line 60 "flash_attn_document__head_dim96_dtypefp16_causal1__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 62 "flash_attn_document__head_dim96_dtypefp16_causal1__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int kv_lo(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {

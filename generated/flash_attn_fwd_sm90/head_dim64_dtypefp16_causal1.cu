@@ -90,6 +90,8 @@ struct Mods {
     static constexpr bool kBlockSparse = false;
     // Whether score_mod / mask_mod read memory at a per-token index (kg::mod_index).
     static constexpr bool kClampIndices = false;
+    // Whether a kv_range bound reads a tensor (the exact path then clamps its rows).
+    static constexpr bool kRangeReadsMemory = false;
     __device__ __forceinline__ kg::SparseRow sparse_row(int, int, int) const {
         return kg::SparseRow{nullptr, nullptr, 0, 0};  // no block mask: never called
     }

@@ -29,6 +29,8 @@ struct Mods {
     static constexpr bool kBlockSparse = false;
     // Whether score_mod / mask_mod read memory at a per-token index (kg::mod_index).
     static constexpr bool kClampIndices = false;
+    // Whether a kv_range bound reads a tensor (the exact path then clamps its rows).
+    static constexpr bool kRangeReadsMemory = false;
     __device__ __forceinline__ kg::SparseRow sparse_row(int, int, int) const {
         return kg::SparseRow{nullptr, nullptr, 0, 0};  // no block mask: never called
     }
@@ -45,31 +47,31 @@ struct Mods {
                                              int seqlen_q, int seqlen_k) const {
 #line 13 "specs/flash_attn_window.yaml"
         return ((window_left < 0 || kv_idx >= q_idx + seqlen_k - seqlen_q - window_left) && (window_right < 0 || kv_idx <= q_idx + seqlen_k - seqlen_q + window_right));
-#line 47 "flash_attn_window__head_dim128_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 49 "flash_attn_window__head_dim128_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int kv_lo(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 17 "specs/flash_attn_window.yaml"
         return (window_left < 0 ? 0 : q_first + seqlen_k - seqlen_q - window_left);
-#line 53 "flash_attn_window__head_dim128_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 55 "flash_attn_window__head_dim128_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int kv_hi(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 18 "specs/flash_attn_window.yaml"
         return (window_right < 0 ? seqlen_k : q_last + seqlen_k - seqlen_q + window_right + 1);
-#line 59 "flash_attn_window__head_dim128_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 61 "flash_attn_window__head_dim128_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int full_lo(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 19 "specs/flash_attn_window.yaml"
         return (window_left < 0 ? 0 : q_last + seqlen_k - seqlen_q - window_left);
-#line 65 "flash_attn_window__head_dim128_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 67 "flash_attn_window__head_dim128_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int full_hi(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 20 "specs/flash_attn_window.yaml"
         return (window_right < 0 ? (1 << 30) : q_first + seqlen_k - seqlen_q + window_right + 1);
-#line 71 "flash_attn_window__head_dim128_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 73 "flash_attn_window__head_dim128_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
 };
 

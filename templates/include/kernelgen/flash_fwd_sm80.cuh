@@ -110,6 +110,7 @@ struct SparseRow {
 struct NoMods {
     static constexpr bool kScoreMod = false, kMaskMod = false, kKvRange = false;
     static constexpr bool kBlockSparse = false, kClampIndices = false, kExactRange = false;
+    static constexpr bool kRangeReadsMemory = false;
     __device__ SparseRow sparse_row(int, int, int) const { return SparseRow{nullptr, nullptr, 0, 0}; }
     __device__ float score_mod(float qk, float scale, int, int, int, int, int, int) const {
         return qk * scale;

@@ -166,9 +166,12 @@ __device__ __forceinline__ void mask_scores(float (&acc_s)[C::kBlockN / 2],
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = lane_row + 8 * h;
-            int top = min(mods.kv_hi(row, row, w.batch, w.head, a.seqlen_q, a.seqlen_k), a.seqlen_k);
+            // A padding row (past seqlen_q, never stored) takes the last row's bounds where the
+            // range reads a per-token tensor, which it would else read past its end.
+            const int at = Mods::kRangeReadsMemory ? min(row, a.seqlen_q - 1) : row;
+            int top = min(mods.kv_hi(at, at, w.batch, w.head, a.seqlen_q, a.seqlen_k), a.seqlen_k);
             if constexpr (C::kCausal) top = min(top, row + a.seqlen_k - a.seqlen_q + 1);
-            lo[h] = mods.kv_lo(row, row, w.batch, w.head, a.seqlen_q, a.seqlen_k) - lane_col;
+            lo[h] = mods.kv_lo(at, at, w.batch, w.head, a.seqlen_q, a.seqlen_k) - lane_col;
             hi[h] = top - lane_col;
         }
         #pragma unroll
