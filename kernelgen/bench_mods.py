@@ -87,6 +87,20 @@ def document_ids(lengths: list[list[int]]) -> torch.Tensor:
                                                 torch.tensor(row)) for row in lengths])
 
 
+def document_ranges(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch, seqlen) int32 doc_start, doc_end: each token's run of equal ids as a key range
+    [start, end) (packed documents, keys packed as the queries are), on ids' device: what
+    tests/data/document_ranges.yaml takes in place of the ids."""
+    pos = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape)
+    first = torch.ones_like(ids, dtype=torch.bool)    # a run starts here
+    first[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    last = torch.ones_like(first)                      # a run ends here
+    last[:, :-1] = first[:, 1:]
+    start = torch.cummax(torch.where(first, pos, 0), dim=1).values
+    end = torch.cummin(torch.where(last, pos + 1, ids.shape[1]).flip(1), dim=1).values.flip(1)
+    return start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
+
+
 def alibi_slopes(heads: int) -> torch.Tensor:
     return torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)], dtype=torch.float32)
 

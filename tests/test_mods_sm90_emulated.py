@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_sm90_emulated import check, emulate, make
 
-from kernelgen import blockmask
+from kernelgen import bench_mods, blockmask
 from kernelgen.spec import REPO_ROOT, load_spec
 
 pytestmark = pytest.mark.skipif(not emulate.available(), reason="the emulator needs g++")
@@ -145,18 +145,6 @@ def test_tutorial_prefix_lm(prefix, cfg):
           mod_args={"prefix_len": prefix}, mask_mod=lambda b, h, i, j: (j <= i) | (j < prefix))
 
 
-def document_ranges(ids):
-    """Per-token [start, end) of each token's run of equal ids (packed documents): the key ranges
-    tests/data/document_ranges.yaml takes, for queries and keys packed alike."""
-    start, end = torch.empty_like(ids), torch.empty_like(ids)
-    for b, row in enumerate(ids.tolist()):
-        first = 0
-        for i in range(1, len(row) + 1):
-            if i == len(row) or row[i] != row[first]:
-                start[b, first:i], end[b, first:i], first = first, i, i
-    return start, end
-
-
 DOCUMENT_RANGES = str(REPO_ROOT / "tests" / "data" / "document_ranges.yaml")
 
 
@@ -174,7 +162,7 @@ def test_document_ranges_as_an_exact_kv_range(head_dim, causal, cfg):
     torch.manual_seed(12)
     ids = documents(batch, seqlen, 3)
     ids[1, 150] = 77
-    start, end = document_ranges(ids)
+    start, end = bench_mods.document_ranges(ids)
     assert start[1, 150].item() == 150 and end[1, 150].item() == 151
     keys = torch.arange(seqlen)
     visible = ((keys >= start[:, :, None]) & (keys < end[:, :, None]))[:, None]

@@ -6,8 +6,9 @@ ones. Needs compute capability 9.0 (H100/H200):
 import pytest
 import torch
 from test_mods_gpu import SHAPES, check, rand   # the sm80 family's checks, same reference rule
-from test_mods_sm90_emulated import DOCUMENT_RANGES, document_ranges, documents
+from test_mods_sm90_emulated import DOCUMENT_RANGES, documents
 
+from kernelgen import bench_mods
 from kernelgen.mods_sm90 import forward_sm90
 from kernelgen.spec import REPO_ROOT
 
@@ -116,7 +117,7 @@ def test_document_ranges(causal, config):
     last tile has padding rows."""
     torch.manual_seed(4)
     batch, seqlen, heads = 2, 700, 4
-    start, end = (t.cuda() for t in document_ranges(documents(batch, seqlen, 5)))
+    start, end = bench_mods.document_ranges(documents(batch, seqlen, 5).cuda())
     q, k, v = (rand(batch, seqlen, heads, 128) for _ in range(3))
     got = run(DOCUMENT_RANGES, q, k, v, causal, (start.data_ptr(), end.data_ptr()), config)
     keys = torch.arange(seqlen, device="cuda")

@@ -31,19 +31,6 @@ SPEC = load_spec("flash_attn_fwd_sm90")
 RANGES = str(REPO_ROOT / "tests" / "data" / "document_ranges.yaml")
 
 
-def document_ranges(batch: int, seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """doc_start, doc_end (batch, seqlen) int32 on the GPU: each token's document's key range,
-    for the documents tools/tune_mods.py's mod_args("document") packs (same lengths, same seed)."""
-    lengths = bench_mods.document_lengths(batch, seqlen, max(2, seqlen // 1024), seed=seqlen)
-    start, end = (torch.empty(batch, seqlen, dtype=torch.int32) for _ in range(2))
-    for b, row in enumerate(lengths):
-        first = 0
-        for n in row:
-            start[b, first:first + n], end[b, first:first + n] = first, first + n
-            first += n
-    return start.cuda(), end.cuda()
-
-
 class Case:
     """The plain Hopper forward, or a shipped mods spec on it with the bench's modifier values
     (tools/tune_mods.py's mod_args): TFLOP/s count only the visible work, as `bench --mods` does."""
@@ -57,7 +44,7 @@ class Case:
         if mod == "document_ranges":   # the bench's documents as per-token key ranges
             name, args = mod_args("document", causal, heads, batch, seqlen)
             self.spec = mods_sm90.sm90_spec(RANGES)
-            self.ranges = document_ranges(batch, seqlen)   # kept alive: the kernel reads them
+            self.ranges = bench_mods.document_ranges(args["doc_q"])   # kept: the kernel reads them
             self.values = tuple(t.data_ptr() for t in self.ranges)
         elif mod is not None:
             name, args = mod_args(mod, causal, heads, batch, seqlen)
