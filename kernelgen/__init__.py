@@ -14,6 +14,7 @@ _LAZY = {
     "load": "kernelgen.attention",
     "BoundKernel": "kernelgen.api",
     "flash_attn_func": "kernelgen.ops",
+    "packed_ranges": "kernelgen.packed",
     "load_spec": "kernelgen.spec",
     "SpecError": "kernelgen.spec",
     "CompileError": "kernelgen.compile",

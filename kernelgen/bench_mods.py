@@ -3,9 +3,10 @@
   kernelgen  the modified kernel: flash_attn_func(window_size= | softcap= | alibi_slopes=), or
              kernelgen.load("flash_attn_document", ...) called with per-token document ids and
              its BlockMask (kernel.create_block_mask), built once per case outside the timed
-             region as flex's is
+             region as flex's is; packed: the same documents given to flash_attn_packed as
+             per-token key ranges (kernelgen.packed_ranges, built once outside the timing)
   plain      kernelgen's unmodified kernel (flash_attn_func) on the same shape and causal mode
-  flex       FlexAttention with the same modification: window and document as BlockMasks, built
+  flex       FlexAttention with the same modification: window and documents as BlockMasks, built
              once per case outside the timed region; softcap and ALiBi as score_mods (with the
              causal BlockMask when causal)
 
@@ -36,7 +37,7 @@ import torch
 from kernelgen.bench import (causal_block_mask, flex_bshd, measure_each, record_error,
                              time_pass)
 
-MODS = ("window", "softcap", "alibi", "document")
+MODS = ("window", "softcap", "alibi", "document", "packed")
 WINDOW = {False: (1024, 1024), True: (1024, 0)}  # by causal
 SOFTCAP = 30.0
 HIDDEN = 2048  # heads = HIDDEN / head_dim, as in the grid
@@ -85,20 +86,6 @@ def document_ids(lengths: list[list[int]]) -> torch.Tensor:
     """(batch, seqlen) int32: the index of each token's document."""
     return torch.stack([torch.repeat_interleave(torch.arange(len(row), dtype=torch.int32),
                                                 torch.tensor(row)) for row in lengths])
-
-
-def document_ranges(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(batch, seqlen) int32 doc_start, doc_end: each token's run of equal ids as a key range
-    [start, end) (packed documents, keys packed as the queries are), on ids' device: what
-    tests/data/document_ranges.yaml takes in place of the ids."""
-    pos = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape)
-    first = torch.ones_like(ids, dtype=torch.bool)    # a run starts here
-    first[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    last = torch.ones_like(first)                      # a run ends here
-    last[:, :-1] = first[:, 1:]
-    start = torch.cummax(torch.where(first, pos, 0), dim=1).values
-    end = torch.cummin(torch.where(last, pos + 1, ids.shape[1]).flip(1), dim=1).values.flip(1)
-    return start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
 
 
 def alibi_slopes(heads: int) -> torch.Tensor:
@@ -179,19 +166,25 @@ def build_case(mod: str, causal: bool, batch: int, heads: int, seqlen: int, head
                     lambda q, k, v: kernelgen.flash_attn_func(q, k, v, causal=causal,
                                                               alibi_slopes=slopes),
                     alibi_score_mod(slopes, 0), causal_mask)
-    if mod == "document":
+    if mod in ("document", "packed"):   # the same documents: by ids, or as key ranges
         lengths = document_lengths(batch, seqlen, max(2, seqlen // 1024), seed=seqlen)
         ids = document_ids(lengths).to(device)
-        kernel = kernelgen.load("flash_attn_document", head_dim=head_dim, dtype="bf16",
-                                causal=causal)
         mask = create_block_mask(document_mask_mod(ids, causal), batch, None, seqlen, seqlen,
                                  device=device)
+        pairs = document_pairs(lengths, causal)
+        if mod == "packed":
+            start, end = kernelgen.packed_ranges(ids)
+            kernel = kernelgen.load("flash_attn_packed", head_dim=head_dim, dtype="bf16",
+                                    causal=causal)
+            return Case(mod, f"packed(x{len(lengths[0])})", causal, pairs, plain,
+                        lambda q, k, v: kernel(q, k, v, doc_start=start, doc_end=end), None, mask)
+        kernel = kernelgen.load("flash_attn_document", head_dim=head_dim, dtype="bf16",
+                                causal=causal)
         # kernelgen's BlockMask, built once here (outside the timing) where a GPU runs the case;
         # the CPU tests build the case for flex's side only.
         ours = (kernel.create_block_mask(batch, heads, seqlen, seqlen, doc_q=ids, doc_k=ids)
                 if torch.device(device).type == "cuda" else None)
-        return Case(mod, f"document(x{len(lengths[0])})", causal,
-                    document_pairs(lengths, causal), plain,
+        return Case(mod, f"document(x{len(lengths[0])})", causal, pairs, plain,
                     lambda q, k, v: kernel(q, k, v, doc_q=ids, doc_k=ids, block_mask=ours),
                     None, mask)
     raise ValueError(f"unknown modifier {mod!r}; allowed: {', '.join(MODS)}")

@@ -156,6 +156,7 @@ MOD_CONTEXTS = {
                        "seqlen_q", "seqlen_k"),
     "mask_mod": ("batch", "head", "q_idx", "kv_idx", "seqlen_q", "seqlen_k"),
     "kv_range": ("q_first", "q_last", "batch", "head", "seqlen_q", "seqlen_k"),
+    "score_bound": ("batch", "head"),
 }
 KV_RANGE_KEYS = ("lo", "hi", "full_lo", "full_hi")
 # `mods.block_sparse: true` adds these kernel arguments after the mod args: a block mask's lists
@@ -193,6 +194,11 @@ class Mods:
     # mask_mod shows row i, so the Hopper forward masks partially visible tiles with two
     # compares per score against each row's bounds instead of evaluating mask_mod.
     exact_range: bool = False
+    # score_bound: B (a function of the mod args, batch and head) with |score_mod(s)| <= B for
+    # every score (softcap's cap). The Hopper forward then subtracts B where the online softmax
+    # subtracts each row's running max, when exp(-2 B) stays in the 16-bit type's normal range:
+    # no row max, no rescale of O (PERF_NOTES §41). Otherwise the online softmax, as without it.
+    score_bound: CExpr | None = None
 
     @property
     def any(self) -> bool:
@@ -625,9 +631,12 @@ def _mods(value, text: bytes, at: _At, names: _Names, params) -> Mods:
         except CExprError as exc:
             raise SpecError(str(exc)) from None
 
-    found = {k: check(k, body[k], k) for k in ("score_mod", "score_mod_grad", "mask_mod") if k in body}
+    found = {k: check(k, body[k], k) for k in ("score_mod", "score_mod_grad", "mask_mod",
+                                                "score_bound") if k in body}
     if "score_mod_grad" in found and "score_mod" not in found:
         raise at["score_mod_grad"].error("a derivative without a score_mod")
+    if "score_bound" in found and "score_mod" not in found:
+        raise at["score_bound"].error("a bound on the scores of a score_mod; this spec has none")
     kv_range, exact = None, False
     if "kv_range" in body:
         bounds = _keys(body["kv_range"], at["kv_range"], KV_RANGE_KEYS, ("exact",))
@@ -648,7 +657,7 @@ def _mods(value, text: bytes, at: _At, names: _Names, params) -> Mods:
         for arg in BLOCK_SPARSE_ARGS:
             names.define(arg.name, at["block_sparse"])
     return Mods(found.get("score_mod"), found.get("score_mod_grad"), found.get("mask_mod"),
-                kv_range, args, block_sparse, exact)
+                kv_range, args, block_sparse, exact, found.get("score_bound"))
 
 
 def _derived(value, at: _At, names: _Names) -> tuple[tuple[str, Expr], ...]:

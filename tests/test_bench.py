@@ -62,22 +62,6 @@ def test_document_pairs_match_a_dense_count(causal):
     assert bench_mods.document_pairs(lengths, causal) == expected
 
 
-def test_document_ranges_are_each_tokens_run():
-    """Each token's [start, end) is its run of equal ids: the same visible pairs as the ids."""
-    ids = bench_mods.document_ids(bench_mods.document_lengths(batch=3, seqlen=97, documents=5, seed=2))
-    ids[2, 40] = 9   # a run of one token inside another document
-    start, end = bench_mods.document_ranges(ids)
-    assert start.dtype == end.dtype == torch.int32 and start.shape == end.shape == ids.shape
-    assert (start[2, 40], end[2, 40]) == (40, 41)
-    keys = torch.arange(97)
-    ranged = (keys >= start[:, :, None]) & (keys < end[:, :, None])
-    pos = torch.arange(97)
-    runs = torch.cumsum(torch.cat([torch.ones(3, 1, dtype=torch.bool), ids[:, 1:] != ids[:, :-1]],
-                                  dim=1), dim=1)   # a run's number, per token
-    assert torch.equal(ranged, runs[:, :, None] == runs[:, None, :])
-    assert bool((start <= pos).all() and (pos < end).all())
-
-
 REFERENCE_MODS = {  # (score_mod, mask_mod) for attention_ref, written from the specs' comments
     "window": lambda case: (None, lambda b, h, i, j: dense_window(
         i.shape[2], j.shape[3], *bench_mods.WINDOW[case.causal], False)),
@@ -105,7 +89,7 @@ def test_flex_versions_compute_the_modification(mod, causal, monkeypatch):
         warnings.simplefilter("ignore")  # flex's "use torch.compile" warning
         got = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                              score_mod=case.score_mod, block_mask=case.block_mask).transpose(1, 2)
-    if mod == "document":
+    if mod in ("document", "packed"):
         lengths = bench_mods.document_lengths(batch, seqlen, 2, seed=seqlen)
         ids = bench_mods.document_ids(lengths)
         score_mod, mask_mod = None, lambda b, h, i, j: (ids[:, None, :, None] == ids[:, None, None, :])

@@ -9,7 +9,8 @@ from kernelgen.cexpr import CExprError, check_cexpr
 from kernelgen.compile import CompileError
 from kernelgen.spec import REPO_ROOT, SpecError, load_spec
 
-MOD_SPECS = ["flash_attn_softcap", "flash_attn_window", "flash_attn_alibi", "flash_attn_document"]
+MOD_SPECS = ["flash_attn_softcap", "flash_attn_window", "flash_attn_alibi", "flash_attn_document",
+             "flash_attn_packed"]
 
 
 def write(tmp_path, body: str, name="my_attention"):
@@ -57,7 +58,8 @@ def test_indices_are_clamped_where_a_mod_reads_memory_at_them(tmp_path, score_mo
 def test_shipped_mods_clamp_indices_only_for_per_token_tensors():
     clamps = {name: load_spec(name).mods.clamps_indices for name in MOD_SPECS}
     assert clamps == {"flash_attn_softcap": False, "flash_attn_window": False,
-                      "flash_attn_alibi": False, "flash_attn_document": True}
+                      "flash_attn_alibi": False, "flash_attn_document": True,
+                      "flash_attn_packed": True}
     for name, flag in (("flash_attn_document", "true"), ("flash_attn_alibi", "false")):
         spec = load_spec(name, onto="flash_attn_fwd_sm90")
         variant = spec.variant("sm_90a", head_dim=64, dtype="bf16", causal=False)
@@ -113,6 +115,35 @@ def test_an_exact_range_needs_a_mask_mod_and_reaches_the_kernel(tmp_path):
     variant = window.variant("sm_90a", head_dim=64, dtype="bf16", causal=True)
     assert "kExactRange = true;" in render.render(window, variant,
                                                   window.default_config(variant)).text
+
+
+@pytest.mark.parametrize("body, bound, match", [
+    ('mask_mod: "kv_idx <= q_idx"', "cap", "a bound on the scores of a score_mod"),
+    ('score_mod: "cap * tanh_approx(score / cap)"', "cap + q_idx", "name 'q_idx' is not defined here"),
+])
+def test_score_bound_is_checked(tmp_path, body, bound, match):
+    """A bound needs a score_mod, and is a function of the mod args, batch and head only."""
+    path = write(tmp_path, f"""
+        name: my_attention
+        extends: flash_attn_fwd
+        mods:
+          args:
+            - {{name: cap, type: f32}}
+          {body}
+          score_bound: "{bound}"
+        """)
+    with pytest.raises(SpecError, match=match):
+        load_spec(path)
+
+
+def test_softcap_bounds_its_scores_on_the_hopper_forward():
+    """softcap's score_bound reaches the Hopper kernel; the sm80 family renders it unused."""
+    softcap = load_spec("flash_attn_softcap", onto="flash_attn_fwd_sm90")
+    assert softcap.mods.score_bound.text == "fabsf(softcap)"
+    variant = softcap.variant("sm_90a", head_dim=128, dtype="bf16", causal=False)
+    text = render.render(softcap, variant, softcap.default_config(variant)).text
+    assert "kScoreBound = true;" in text and "return (fabsf(softcap));" in text
+    assert load_spec("flash_attn_alibi").mods.score_bound is None
 
 
 def test_unknown_name_lists_what_may_be_used(tmp_path):

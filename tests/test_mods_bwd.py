@@ -21,7 +21,7 @@ from kernelgen.reference import attention_ref
 from kernelgen.spec import REPO_ROOT, SpecError, load_spec
 
 MOD_SPECS = ["flash_attn_softcap", "flash_attn_window", "flash_attn_alibi", "flash_attn_document",
-             str(REPO_ROOT / "examples" / "prefix_lm.yaml")]
+             "flash_attn_packed", str(REPO_ROOT / "examples" / "prefix_lm.yaml")]
 BASES = [backward.MAIN_SPEC, backward.DQ_SPEC]
 
 
@@ -32,7 +32,7 @@ def test_backward_of_every_mod_spec_compiles_without_spills(arch, cache_dir):
     jobs = [(spec, variant) for name in MOD_SPECS for base in BASES
             for spec in [load_spec(name, onto=base)] for variant in spec.variants([arch])
             if variant["dtype"] == "bf16"]
-    assert len(jobs) == 2 * (4 * 10 + 5)   # prefix_lm pins causal to false
+    assert len(jobs) == 2 * (5 * 10 + 5)   # prefix_lm pins causal to false
 
     def build(job):
         spec, variant = job
@@ -208,6 +208,7 @@ def test_autograd_hands_the_mods_to_the_backward(monkeypatch):
 # (they spill at 240 registers and keep flash_attn_bwd): (head_dim, causal).
 SM90_EXCLUDED = {"flash_attn_window": {(96, False), (96, True), (64, True)},
                  "flash_attn_document": {(96, False)},
+                 "flash_attn_packed": {(96, False), (96, True)},
                  "prefix_lm": {(96, False)}}
 
 
@@ -238,7 +239,7 @@ def test_backward_sm90_of_every_mod_spec_compiles_clean(cache_dir):
 
     jobs, excluded = sm90_jobs()
     assert excluded == SM90_EXCLUDED
-    assert len(jobs) == 4 * 6 + 3 - 5   # prefix_lm pins causal to false
+    assert len(jobs) == 5 * 6 + 3 - 7   # prefix_lm pins causal to false
 
     def build(job):
         spec, variant, config = job

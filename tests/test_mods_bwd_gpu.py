@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 import torch
+from test_mods_gpu import packed_documents
 
 import kernelgen
 from kernelgen import backward, backward_sm90, env
@@ -142,6 +143,17 @@ def test_document_mask(causal, head_dim):
     k, v = rand(batch, seqlen, heads_k, head_dim), rand(batch, seqlen, heads_k, head_dim)
     same = (docs[:, :, None] == docs[:, None, :])[:, None]
     check(lambda q, k, v: kernel(q, k, v, doc_q=docs, doc_k=docs, return_lse=True),
+          q, k, v, causal, mask_mod=lambda *_: same)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_packed_documents(causal, head_dim):
+    """flash_attn_packed's gradients (test_mods_gpu's inputs: seqlen_q != seqlen_k, GQA, a query
+    document with no keys)."""
+    (start, end), (q, k, v), same = packed_documents(head_dim)
+    kernel = kernelgen.load("flash_attn_packed", head_dim=head_dim, dtype="bf16", causal=causal)
+    check(lambda q, k, v: kernel(q, k, v, doc_start=start, doc_end=end, return_lse=True),
           q, k, v, causal, mask_mod=lambda *_: same)
 
 

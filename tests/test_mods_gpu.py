@@ -88,6 +88,30 @@ def test_document_mask(causal):
     check(got, q, k, v, causal, mask_mod=lambda *_: same)
 
 
+def packed_documents(head_dim):
+    """flash_attn_packed's inputs: sorted ids of 700 queries and 530 keys (ragged tiles) as
+    kernelgen.packed_ranges, GQA 4/2, query document 5 with no keys (rows that see nothing);
+    returns (start, end), (q, k, v) and the ids' mask (batch, 1, seqlen_q, seqlen_k)."""
+    torch.manual_seed(6)
+    batch, seqlen_q, seqlen_k, heads, heads_k = 2, 700, 530, 4, 2
+    doc_q = torch.sort(torch.randint(0, 6, (batch, seqlen_q), device="cuda"), dim=1).values
+    doc_k = torch.sort(torch.randint(0, 5, (batch, seqlen_k), device="cuda"), dim=1).values
+    q = rand(batch, seqlen_q, heads, head_dim)
+    k, v = rand(batch, seqlen_k, heads_k, head_dim), rand(batch, seqlen_k, heads_k, head_dim)
+    same = (doc_q[:, :, None] == doc_k[:, None, :])[:, None]
+    assert not same.any(dim=-1).all()   # some rows see nothing
+    return kernelgen.packed_ranges(doc_q, doc_k), (q, k, v), same
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_packed_documents(causal, head_dim):
+    (start, end), (q, k, v), same = packed_documents(head_dim)
+    kernel = kernelgen.load("flash_attn_packed", head_dim=head_dim, dtype="bf16", causal=causal)
+    got = kernel(q, k, v, doc_start=start, doc_end=end, return_lse=True)
+    check(got, q, k, v, causal, mask_mod=lambda *_: same)
+
+
 def test_tutorial_prefix_lm():
     kernel = kernelgen.load(str(REPO_ROOT / "examples" / "prefix_lm.yaml"), head_dim=64, dtype="bf16")
     torch.manual_seed(5)

@@ -18,10 +18,8 @@ from kernelgen.spec import REPO_ROOT, load_spec
 
 BASE = load_spec("flash_attn_fwd_sm90")
 MOD_SPECS = ["flash_attn_softcap", "flash_attn_window", "flash_attn_alibi", "flash_attn_document",
-             str(REPO_ROOT / "examples" / "prefix_lm.yaml")]
-# An exact kv range that reads tensors (per-token document bounds): SASS-checked at hd128 below.
-DOCUMENT_RANGES = str(REPO_ROOT / "tests" / "data" / "document_ranges.yaml")
-ONTO = {name: mods_sm90.sm90_spec(name) for name in [*MOD_SPECS, DOCUMENT_RANGES]}
+             "flash_attn_packed", str(REPO_ROOT / "examples" / "prefix_lm.yaml")]
+ONTO = {name: mods_sm90.sm90_spec(name) for name in MOD_SPECS}
 
 
 @pytest.mark.parametrize("name", MOD_SPECS, ids=lambda n: n.rsplit("/", 1)[-1])
@@ -50,9 +48,10 @@ BUILDS += [(name, ONTO[name].variant(head_dim=d, dtype="bf16", causal=c),
      {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 1, "persistent": 1}),
     (MOD_SPECS[-1], 64, False,
      {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 1}),
-    (DOCUMENT_RANGES, 128, False,
+    # An exact kv range that reads tensors (per-token document bounds), as the tuned table runs it.
+    ("flash_attn_packed", 128, False,
      {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 2}),
-    (DOCUMENT_RANGES, 128, True,
+    ("flash_attn_packed", 128, True,
      {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 1, "q_buffers": 2}),
 ]]
 

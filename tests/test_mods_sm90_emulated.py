@@ -12,7 +12,8 @@ import pytest
 import torch
 from test_sm90_emulated import check, emulate, make
 
-from kernelgen import bench_mods, blockmask
+from kernelgen import blockmask
+from kernelgen.packed import packed_ranges
 from kernelgen.spec import REPO_ROOT, load_spec
 
 pytestmark = pytest.mark.skipif(not emulate.available(), reason="the emulator needs g++")
@@ -37,15 +38,21 @@ def qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype=torch.bfloat1
             make(batch, seqlen_k, heads_k, head_dim, dtype))
 
 
-@pytest.mark.parametrize("head_dim, dtype, causal, shape, cfg", [
-    (128, torch.bfloat16, True, (1, 200, 333, 4, 2), config(persistent=0)),
-    (64, torch.float16, False, (2, 250, 200, 2, 1), config(192, 96, persistent=1)),  # 3 consumers
-    (96, torch.bfloat16, False, (1, 130, 300, 2, 2), config(128, 128, schedule=0, persistent=1)),
-], ids=["hd128-causal-gqa", "hd64-fp16-3wg-persistent", "hd96-plain-schedule-persistent"])
-def test_softcap(head_dim, dtype, causal, shape, cfg):
+# Caps within the score bound's limit (bf16 39.8, fp16 4.5: the softmax subtracts the cap, no
+# running max) and past it (the online softmax); a negative cap bounds the scores by its size.
+@pytest.mark.parametrize("head_dim, dtype, causal, shape, cfg, cap", [
+    (128, torch.bfloat16, True, (1, 200, 333, 4, 2), config(persistent=0), 2.0),
+    (64, torch.float16, False, (2, 250, 200, 2, 1), config(192, 96, persistent=1), 2.0),  # 3 consumers
+    (96, torch.bfloat16, False, (1, 130, 300, 2, 2), config(128, 128, schedule=0, persistent=1), -2.0),
+    (128, torch.bfloat16, False, (1, 200, 333, 4, 2), config(128, 128, schedule=1, persistent=1), 45.0),
+    (64, torch.float16, True, (2, 250, 200, 2, 1), config(persistent=0), 6.0),
+], ids=["hd128-causal-gqa", "hd64-fp16-3wg-persistent", "hd96-plain-schedule-persistent-negative",
+        "hd128-past-bound", "hd64-fp16-past-bound"])
+def test_softcap(head_dim, dtype, causal, shape, cfg, cap):
     batch, seqlen_q, seqlen_k, heads, heads_k = shape
-    q, k, v = qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, scale=3.0)
-    cap = 2.0  # scores of q, k ~ N(0, 9) are far into the cap
+    # scores of q, k ~ N(0, 9) are far into a cap of 2; scale 12 puts some past 45
+    q, k, v = qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype,
+                  scale=3.0 if abs(cap) < 40 else 12.0)
     check(q, k, v, causal, config=cfg, seed=seqlen_k, lazy=causal, spec=onto("flash_attn_softcap"),
           mod_args={"softcap": cap}, score_mod=lambda s, *_: cap * torch.tanh(s / cap))
 
@@ -145,28 +152,26 @@ def test_tutorial_prefix_lm(prefix, cfg):
           mod_args={"prefix_len": prefix}, mask_mod=lambda b, h, i, j: (j <= i) | (j < prefix))
 
 
-DOCUMENT_RANGES = str(REPO_ROOT / "tests" / "data" / "document_ranges.yaml")
-
-
 @pytest.mark.parametrize("head_dim, causal, cfg", [
     (128, False, config(persistent=1)),
     (128, True, config(128, 64, schedule=1, persistent=0)),
     (64, False, config(192, 96, persistent=0)),
 ], ids=["full-persistent", "causal-overlap", "hd64-3wg"])
-def test_document_ranges_as_an_exact_kv_range(head_dim, causal, cfg):
-    """Packed documents as per-token key ranges read by an exact kv range: 230 queries, so the
-    last tile's padding rows evaluate the range (clamped into the sequence: kRangeReadsMemory),
-    and a document of a single token."""
+def test_packed_documents_as_an_exact_kv_range(head_dim, causal, cfg):
+    """flash_attn_packed: packed documents as per-token key ranges read by an exact kv range: 230
+    queries, so the last tile's padding rows evaluate the range (clamped into the sequence:
+    kRangeReadsMemory), and a document of a single token."""
     batch, seqlen, heads = 2, 230, 2
     q, k, v = qkv(batch, seqlen, seqlen, heads, heads, head_dim)
     torch.manual_seed(12)
     ids = documents(batch, seqlen, 3)
-    ids[1, 150] = 77
-    start, end = bench_mods.document_ranges(ids)
+    ids[1, 150:] += 1
+    ids[1, 151:] += 1   # token 150 a document of its own
+    start, end = packed_ranges(ids)
     assert start[1, 150].item() == 150 and end[1, 150].item() == 151
     keys = torch.arange(seqlen)
     visible = ((keys >= start[:, :, None]) & (keys < end[:, :, None]))[:, None]
-    spec = onto(DOCUMENT_RANGES)
+    spec = onto("flash_attn_packed")
     assert spec.mods.exact_range and spec.mods.range_reads_memory
     check(q, k, v, causal, config=cfg, seed=5, lazy=causal, spec=spec,
           mod_args={"doc_start": start, "doc_end": end}, mask_mod=lambda *_: visible)

@@ -6,9 +6,9 @@ ones. Needs compute capability 9.0 (H100/H200):
 import pytest
 import torch
 from test_mods_gpu import SHAPES, check, rand   # the sm80 family's checks, same reference rule
-from test_mods_sm90_emulated import DOCUMENT_RANGES, documents
+from test_mods_sm90_emulated import documents
 
-from kernelgen import bench_mods
+from kernelgen.packed import packed_ranges
 from kernelgen.mods_sm90 import forward_sm90
 from kernelgen.spec import REPO_ROOT
 
@@ -41,6 +41,22 @@ def test_softcap(head_dim, causal, config):
         v = rand(b, sk, hk, head_dim)
         got = run("flash_attn_softcap", q, k, v, causal, (5.0,), config)
         check(got, q, k, v, causal, score_mod=lambda s, *_: 5.0 * torch.tanh(s / 5.0))
+
+
+# bf16: 39 within the bound, 60 past it; fp16: 4 within, 5 past.
+@pytest.mark.parametrize("dtype, cap", [(torch.bfloat16, 39.0), (torch.bfloat16, 60.0),
+                                        (torch.float16, 4.0), (torch.float16, 5.0)])
+def test_softcap_at_and_past_the_score_bound(dtype, cap):
+    """The softmax subtracts the cap instead of a running max when exp(-2 cap) is a normal P
+    (bf16: cap <= 39.8, fp16: <= 4.5), else runs online; large scores make both edges matter:
+    at the bound a P of exp(-2 cap) must not flush to zero."""
+    torch.manual_seed(int(cap))
+    for b, sq, sk, h, hk in SHAPES:
+        q, k = rand(b, sq, h, 128, scale=12, dtype=dtype), rand(b, sk, hk, 128, scale=12, dtype=dtype)
+        v = rand(b, sk, hk, 128, dtype=dtype)
+        for causal in (False, True):
+            got = run("flash_attn_softcap", q, k, v, causal, (cap,), DYNAMIC)
+            check(got, q, k, v, causal, score_mod=lambda s, *_: cap * torch.tanh(s / cap))
 
 
 # Clusters of two CTAs (K and V multicast): allowed for score_mods, which leave every query tile
@@ -111,18 +127,23 @@ def test_document_mask(causal, config):
 
 @pytest.mark.parametrize("config", [None, PERSISTENT, DYNAMIC], ids=["default", "persistent", "dynamic"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_document_ranges(causal, config):
-    """tests/data/document_ranges.yaml: packed documents as per-token key ranges, an exact kv
-    range that reads tensors (its padding rows clamped into the sequence); 700 queries, so the
-    last tile has padding rows."""
+def test_packed_documents(causal, config):
+    """flash_attn_packed: packed documents as per-token key ranges, an exact kv range that reads
+    tensors (its padding rows clamped into the sequence); 700 queries against 530 keys, so the
+    last tile has padding rows, and queries of a document with no keys see nothing."""
     torch.manual_seed(4)
-    batch, seqlen, heads = 2, 700, 4
-    start, end = bench_mods.document_ranges(documents(batch, seqlen, 5).cuda())
-    q, k, v = (rand(batch, seqlen, heads, 128) for _ in range(3))
-    got = run(DOCUMENT_RANGES, q, k, v, causal, (start.data_ptr(), end.data_ptr()), config)
-    keys = torch.arange(seqlen, device="cuda")
-    visible = ((keys >= start[:, :, None]) & (keys < end[:, :, None]))[:, None]
-    check(got, q, k, v, causal, mask_mod=lambda *_: visible)
+    batch, seqlen_q, seqlen_k, heads = 2, 700, 530, 4
+    doc_q, doc_k = documents(batch, seqlen_q, 5).cuda(), documents(batch, seqlen_k, 4).cuda()
+    doc_q[1, 600:] = 99
+    start, end = packed_ranges(doc_q, doc_k)
+    q = rand(batch, seqlen_q, heads, 128)
+    k, v = rand(batch, seqlen_k, heads, 128), rand(batch, seqlen_k, heads, 128)
+    got = run("flash_attn_packed", q, k, v, causal, (start.data_ptr(), end.data_ptr()), config)
+    same = (doc_q[:, :, None] == doc_k[:, None, :])
+    keys = torch.arange(seqlen_k, device="cuda")
+    visible = (keys >= start[:, :, None]) & (keys < end[:, :, None])
+    assert torch.equal(visible, same)   # the ranges are the ids' mask
+    check(got, q, k, v, causal, mask_mod=lambda *_: visible[:, None])
 
 
 @pytest.mark.parametrize("config", [None, PERSISTENT, DYNAMIC], ids=["default", "persistent", "dynamic"])

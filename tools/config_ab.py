@@ -5,8 +5,7 @@ process, every output checked against the float32 reference (FlashAttention's ru
     python tools/config_ab.py [--key schedule --values 1 2] [--head-dims 64 128]
                               [--seqlens 1024 4096 16384] [--causal both] [--rounds 3]
                               [--config '{"block_n": 128}']   (overrides on every shape's config)
-                              [--mod softcap|alibi|window|document]   (that mods spec instead)
-                              [--mod document_ranges]   (tests/data/document_ranges.yaml)
+                              [--mod softcap|alibi|window|document|packed]   (that mods spec)
 
 Prints TFLOP/s per value (median of the rounds' medians) and each value's ratio to the first.
 Each config is timed as a captured CUDA graph (`captured`): kernel time, not the host's.
@@ -22,13 +21,10 @@ import torch
 from kernelgen import bench_mods, blockmask, hopper, mods_sm90, tune
 from kernelgen.bench import time_ms
 from kernelgen.reference import attention_ref, max_error, rounding_allowance
-from kernelgen.spec import REPO_ROOT, load_spec
+from kernelgen.spec import load_spec
 from tune_mods import mod_args  # tools/: the bench's modifier arguments, by name
 
 SPEC = load_spec("flash_attn_fwd_sm90")
-# --mod document_ranges: the bench's documents given to tests/data/document_ranges.yaml (an exact
-# kv range over per-token key ranges; PERF_NOTES §39) instead of flash_attn_document's ids.
-RANGES = str(REPO_ROOT / "tests" / "data" / "document_ranges.yaml")
 
 
 class Case:
@@ -41,12 +37,7 @@ class Case:
         self.spec, self.values, self.block_mask = SPEC, (), None
         self.score_mod, self.mask_mod = None, None
         pairs = batch * bench_mods.window_pairs(seqlen, seqlen, -1, -1, causal)
-        if mod == "document_ranges":   # the bench's documents as per-token key ranges
-            name, args = mod_args("document", causal, heads, batch, seqlen)
-            self.spec = mods_sm90.sm90_spec(RANGES)
-            self.ranges = bench_mods.document_ranges(args["doc_q"])   # kept: the kernel reads them
-            self.values = tuple(t.data_ptr() for t in self.ranges)
-        elif mod is not None:
+        if mod is not None:
             name, args = mod_args(mod, causal, heads, batch, seqlen)
             self.spec = mods_sm90.sm90_spec(name)
             self.values = tuple(args[a.name] for a in self.spec.mods.args)
@@ -59,8 +50,8 @@ class Case:
             left, right = args["window_left"], args["window_right"]
             self.mask_mod = bench_mods.window_mask_mod(left, right, 0, causal)
             pairs = batch * bench_mods.window_pairs(seqlen, seqlen, left, right, causal)
-        elif mod in ("document", "document_ranges"):
-            ids = args["doc_q"]
+        elif mod in ("document", "packed"):
+            ids = mod_args("document", causal, heads, batch, seqlen)[1]["doc_q"]
             self.mask_mod = bench_mods.document_mask_mod(ids, causal)
             if mod == "document":   # its block mask built once, outside the timing
                 self.block_mask = blockmask.create_block_mask(self.spec, self.params, batch,
@@ -119,8 +110,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--config", type=json.loads, default={})
     p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--mod", help="softcap, alibi, window or document: that shipped mods spec; "
-                   "document_ranges: the documents as tests/data/document_ranges.yaml's ranges")
+    p.add_argument("--mod", help="softcap, alibi, window, document or packed: that shipped mods "
+                   "spec with the bench's modifier values")
     opts = p.parse_args()
     causals = {"both": [False, True], "true": [True], "false": [False]}[opts.causal]
     rows = []

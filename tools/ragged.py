@@ -2,7 +2,7 @@
 tile multiples, GQA; forward, backward (through autograd) and the modifier specs. Exits non-zero
 if any output is wrong.
     python tools/ragged.py [--mask-mods [HEAD_DIM ...] | --clusters]
---mask-mods: only the mask_mod specs (window, document; forward and gradient) at the head dims
+--mask-mods: only the mask_mod specs (window, document, packed; forward and gradient) at the head dims
 given (default all): the short run for a change to how the kernels evaluate a mask_mod.
 --clusters: only the Hopper forward's clusters (CLUSTER, and its 3-stage pingpong sibling)."""
 import argparse
@@ -39,7 +39,7 @@ def report(ok, *what):
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--mask-mods", type=int, nargs="*", metavar="HEAD_DIM",
-                    help="only the window and document specs, at these head dims (none: all)")
+                    help="only the window, document and packed specs, at these head dims (none: all)")
 parser.add_argument("--clusters", action="store_true",
                     help="only the Hopper forward's cluster configs (head dims 128 and 256)")
 opts = parser.parse_args()
@@ -120,6 +120,16 @@ for head_dim in MASK_MODS or (64, 96, 128, 192, 256):
             out = packed(xq, k.detach(), v.detach(), doc_q=doc_q, doc_k=docs.contiguous())
             (grad,) = torch.autograd.grad(out, xq, torch.ones_like(out))
             report(bool(torch.isfinite(out).all() and torch.isfinite(grad).all()), "document",
+                   head_dim, causal, seqlen_q, seqlen_k)
+            # The same documents as key ranges (flash_attn_packed: an exact kv range read from
+            # per-token tensors, which the padding rows of a ragged tile must not read past).
+            start, end = kernelgen.packed_ranges(doc_q, docs)
+            ranged = kernelgen.load("flash_attn_packed", head_dim=head_dim, dtype="fp16",
+                                    causal=causal)
+            xq = x.clone().requires_grad_()
+            out = ranged(xq, k.detach(), v.detach(), doc_start=start, doc_end=end)
+            (grad,) = torch.autograd.grad(out, xq, torch.ones_like(out))
+            report(bool(torch.isfinite(out).all() and torch.isfinite(grad).all()), "packed",
                    head_dim, causal, seqlen_q, seqlen_k)
 torch.cuda.synchronize()
 print(f"ragged: {bad} wrong")

@@ -29,13 +29,17 @@ def mod_args(mod: str, causal: bool, heads: int, batch: int, seqlen: int) -> tup
         lengths = bench_mods.document_lengths(batch, seqlen, max(2, seqlen // 1024), seed=seqlen)
         ids = bench_mods.document_ids(lengths).cuda()
         return "flash_attn_document", {"doc_q": ids, "doc_k": ids}
+    if mod == "packed":   # the same documents as key ranges
+        ids = mod_args("document", causal, heads, batch, seqlen)[1]["doc_q"]
+        start, end = kernelgen.packed_ranges(ids)
+        return "flash_attn_packed", {"doc_start": start, "doc_end": end}
     raise ValueError(f"no tuning case for {mod!r}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqlens", type=int, nargs="+", default=[4096])
-    parser.add_argument("--mods", nargs="+", default=["window", "softcap", "alibi", "document"])
+    parser.add_argument("--mods", nargs="+", default=["window", "softcap", "alibi", "document", "packed"])
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--pass", dest="passes", choices=["fwd", "bwd", "both"], default="both")
     parser.add_argument("--export", metavar="FILE")

@@ -31,6 +31,8 @@ struct Mods {
     static constexpr bool kClampIndices = false;
     // Whether a kv_range bound reads a tensor (the exact path then clamps its rows).
     static constexpr bool kRangeReadsMemory = false;
+    // Whether score_bound() bounds |score_mod| (the Hopper forward may skip the running max).
+    static constexpr bool kScoreBound = false;
     __device__ __forceinline__ kg::SparseRow sparse_row(int, int, int) const {
         return kg::SparseRow{nullptr, nullptr, 0, 0};  // no block mask: never called
     }
@@ -43,7 +45,10 @@ struct Mods {
         [[maybe_unused]] const float score = qk * softmax_scale;
 #line 11 "specs/flash_attn_alibi.yaml"
         return (score - alibi_slopes[batch * alibi_stride_b + head] * fabsf((float)(q_idx + seqlen_k - seqlen_q - kv_idx)));
-#line 45 "flash_attn_alibi__head_dim96_dtypefp16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 47 "flash_attn_alibi__head_dim96_dtypefp16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+    }
+    __device__ __forceinline__ float score_bound(int batch, int head) const {
+        return 0.0f;
     }
     __device__ __forceinline__ bool mask_mod(int batch, int head, int q_idx, int kv_idx,
                                              int seqlen_q, int seqlen_k) const {

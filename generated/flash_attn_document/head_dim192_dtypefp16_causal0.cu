@@ -38,6 +38,8 @@ struct Mods {
     static constexpr bool kClampIndices = true;
     // Whether a kv_range bound reads a tensor (the exact path then clamps its rows).
     static constexpr bool kRangeReadsMemory = false;
+    // Whether score_bound() bounds |score_mod| (the Hopper forward may skip the running max).
+    static constexpr bool kScoreBound = false;
 
     // The block mask's lists of one row (kernelgen/blockmask.py): the blocks `block` of (batch,
     // head) meets, partially visible ones first (mask_mod per element), then fully visible ones.
@@ -56,11 +58,14 @@ struct Mods {
         [[maybe_unused]] const float score = qk * softmax_scale;
         return score;
     }
+    __device__ __forceinline__ float score_bound(int batch, int head) const {
+        return 0.0f;
+    }
     __device__ __forceinline__ bool mask_mod(int batch, int head, int q_idx, int kv_idx,
                                              int seqlen_q, int seqlen_k) const {
 #line 12 "specs/flash_attn_document.yaml"
         return (doc_q[batch * seqlen_q + q_idx] == doc_k[batch * seqlen_k + kv_idx]);
-#line 62 "flash_attn_document__head_dim192_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+#line 67 "flash_attn_document__head_dim192_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int kv_lo(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {

@@ -29,6 +29,8 @@ struct Mods {
     static constexpr bool kClampIndices = false;
     // Whether a kv_range bound reads a tensor (the exact path then clamps its rows).
     static constexpr bool kRangeReadsMemory = false;
+    // Whether score_bound() bounds |score_mod| (the Hopper forward may skip the running max).
+    static constexpr bool kScoreBound = false;
     __device__ __forceinline__ kg::SparseRow sparse_row(int, int, int) const {
         return kg::SparseRow{nullptr, nullptr, 0, 0};  // no block mask: never called
     }
@@ -40,6 +42,9 @@ struct Mods {
                                                int seqlen_k) const {
         [[maybe_unused]] const float score = qk * softmax_scale;
         return score;
+    }
+    __device__ __forceinline__ float score_bound(int batch, int head) const {
+        return 0.0f;
     }
     __device__ __forceinline__ bool mask_mod(int batch, int head, int q_idx, int kv_idx,
                                              int seqlen_q, int seqlen_k) const {

@@ -30,6 +30,8 @@ struct Mods {
     static constexpr bool kClampIndices = false;
     // Whether a kv_range bound reads a tensor (the exact path then clamps its rows).
     static constexpr bool kRangeReadsMemory = false;
+    // Whether score_bound() bounds |score_mod| (the Hopper forward may skip the running max).
+    static constexpr bool kScoreBound = true;
     __device__ __forceinline__ kg::SparseRow sparse_row(int, int, int) const {
         return kg::SparseRow{nullptr, nullptr, 0, 0};  // no block mask: never called
     }
@@ -42,7 +44,12 @@ struct Mods {
         [[maybe_unused]] const float score = qk * softmax_scale;
 #line 12 "specs/flash_attn_softcap.yaml"
         return (softcap * tanh_approx(qk * (softmax_scale / softcap)));
-#line 44 "flash_attn_softcap__head_dim192_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+#line 46 "flash_attn_softcap__head_dim192_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+    }
+    __device__ __forceinline__ float score_bound(int batch, int head) const {
+#line 19 "specs/flash_attn_softcap.yaml"
+        return (fabsf(softcap));
+#line 51 "flash_attn_softcap__head_dim192_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ bool mask_mod(int batch, int head, int q_idx, int kv_idx,
                                              int seqlen_q, int seqlen_k) const {

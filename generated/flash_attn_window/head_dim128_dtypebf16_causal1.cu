@@ -31,6 +31,8 @@ struct Mods {
     static constexpr bool kClampIndices = false;
     // Whether a kv_range bound reads a tensor (the exact path then clamps its rows).
     static constexpr bool kRangeReadsMemory = false;
+    // Whether score_bound() bounds |score_mod| (the Hopper forward may skip the running max).
+    static constexpr bool kScoreBound = false;
     __device__ __forceinline__ kg::SparseRow sparse_row(int, int, int) const {
         return kg::SparseRow{nullptr, nullptr, 0, 0};  // no block mask: never called
     }
@@ -43,35 +45,38 @@ struct Mods {
         [[maybe_unused]] const float score = qk * softmax_scale;
         return score;
     }
+    __device__ __forceinline__ float score_bound(int batch, int head) const {
+        return 0.0f;
+    }
     __device__ __forceinline__ bool mask_mod(int batch, int head, int q_idx, int kv_idx,
                                              int seqlen_q, int seqlen_k) const {
 #line 13 "specs/flash_attn_window.yaml"
         return ((window_left < 0 || kv_idx >= q_idx + seqlen_k - seqlen_q - window_left) && (window_right < 0 || kv_idx <= q_idx + seqlen_k - seqlen_q + window_right));
-#line 49 "flash_attn_window__head_dim128_dtypebf16_causal1__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 54 "flash_attn_window__head_dim128_dtypebf16_causal1__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int kv_lo(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 17 "specs/flash_attn_window.yaml"
         return (window_left < 0 ? 0 : q_first + seqlen_k - seqlen_q - window_left);
-#line 55 "flash_attn_window__head_dim128_dtypebf16_causal1__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 60 "flash_attn_window__head_dim128_dtypebf16_causal1__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int kv_hi(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 18 "specs/flash_attn_window.yaml"
         return (window_right < 0 ? seqlen_k : q_last + seqlen_k - seqlen_q + window_right + 1);
-#line 61 "flash_attn_window__head_dim128_dtypebf16_causal1__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 66 "flash_attn_window__head_dim128_dtypebf16_causal1__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int full_lo(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 19 "specs/flash_attn_window.yaml"
         return (window_left < 0 ? 0 : q_last + seqlen_k - seqlen_q - window_left);
-#line 67 "flash_attn_window__head_dim128_dtypebf16_causal1__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 72 "flash_attn_window__head_dim128_dtypebf16_causal1__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int full_hi(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 20 "specs/flash_attn_window.yaml"
         return (window_right < 0 ? (1 << 30) : q_first + seqlen_k - seqlen_q + window_right + 1);
-#line 73 "flash_attn_window__head_dim128_dtypebf16_causal1__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 78 "flash_attn_window__head_dim128_dtypebf16_causal1__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
 };
 

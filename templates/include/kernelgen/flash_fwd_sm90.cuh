@@ -258,6 +258,22 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     // With a score_mod the scale is applied before it (the mod sees scaled scores), and the
     // softmax then works on the modified scores in log2 units.
     const float scale_log2 = Mods::kScoreMod ? kLog2e : a.softmax_scale * kLog2e;
+    // A score_mod bounded by B small enough for the 16-bit P (softcap's cap, mods.score_bound):
+    // every row subtracts B for good instead of its running max, so no max is taken and O is
+    // never rescaled (exact: P = exp(s - B) stays a normal number). Uniform over the tile.
+    // Head dims from 128 only: softcap measured +4% at hd128 and +13% at hd256, but -9% (full)
+    // and -2% (causal) at hd64, where the two softmax paths cost more than the max they save
+    // (PERF_NOTES §41; hd96 and hd192 follow their neighbours, unmeasured).
+    constexpr bool kBounded = Mods::kScoreBound && C::kHeadDim >= 128;
+    bool fixed = false;
+    if constexpr (kBounded) {
+        const float bound = mods.score_bound(w.batch, w.head);
+        fixed = bound >= 0.f && bound <= MaxScoreBound<Elem>::value;
+        if (fixed) row_max[0] = row_max[1] = bound;
+    }
+    const auto rescale = [&](const float (&by)[2]) {
+        if (!(kBounded && fixed)) rescale_o<C>(acc_o, by);
+    };
     const int wg_row0 = row0 + wg * 64;
     const int lane_row = wg_row0 + warp * 16 + lane / 4;  // this thread's rows: lane_row, +8
     FullRange full{0, 1 << 30};
@@ -315,9 +331,9 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             const ModBits<C> bits = mask_bits(i, c0);  // loads run while the QK^T does
             wgmma_wait<0>();
             finish_qk(i, c0, bits);
-            softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha);
+            softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha, kBounded && fixed);
             if (i == 0) release_previous_q();
-            rescale_o<C>(acc_o, alpha);
+            rescale(alpha);
             pack_p<C>(p, acc_s);
             mbarrier_wait(bar.full_v(stage(i)), parity(i));
             fence_pv_operands();
@@ -343,7 +359,8 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         const ModBits<C> bits0 = mask_bits(0, c00);
         wgmma_wait<0>();
         finish_qk(0, c00, bits0);
-        softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha);  // O is 0: alpha unused
+        softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha,  // O is 0: alpha unused
+                        kBounded && fixed);
         release_previous_q();
         pack_p<C>(p, acc_s);
         for (int i = 1; i < n_blocks; ++i) {
@@ -353,7 +370,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             fence_pv_operands();
             wgmma_fence();
             issue_qk<C>(acc_s, desc_q, stage_desc(desc_k, i));
-            if constexpr (C::kRescaleEarly) rescale_o<C>(acc_o, alpha);  // block i - 1's alpha
+            if constexpr (C::kRescaleEarly) rescale(alpha);  // block i - 1's alpha
             mbarrier_wait(bar.full_v(stage(i - 1)), parity(i - 1));
             issue_pv<C>(acc_o, p, stage_desc_v(desc_v, i - 1));
             turns.release(false);
@@ -361,18 +378,18 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             const ModBits<C> bits = mask_bits(i, c0);
             wgmma_wait<1>();  // S done, P V still running: p and acc_o stay untouched
             finish_qk(i, c0, bits);
-            softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha);
+            softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha, kBounded && fixed);
             wgmma_wait<0>();
             fence_operands(acc_o);
             release_kv_slot<C>(bar.empty_v(stage(i - 1)), lane);
-            if constexpr (!C::kRescaleEarly) rescale_o<C>(acc_o, alpha);
+            if constexpr (!C::kRescaleEarly) rescale(alpha);
             pack_p<C>(p, acc_s);
         }
         const int last = n_blocks - 1;
         mbarrier_wait(bar.full_v(stage(last)), parity(last));
         // Early: the last block's alpha has no QK^T left to hide behind. (A tile of one block
         // rescales O = 0 by its alpha of 0, here and in the loop's first step.)
-        if constexpr (C::kRescaleEarly) rescale_o<C>(acc_o, alpha);
+        if constexpr (C::kRescaleEarly) rescale(alpha);
         turns.acquire();
         fence_pv_operands();
         wgmma_fence();

@@ -5,13 +5,22 @@
 
 namespace kg {
 
+// The largest score bound B for which P = exp(s - B) of every |s| <= B is a normal number of
+// the 16-bit type P is packed to (and of fp32, whose ex2.approx.ftz flushes below 2^-126), so
+// that subtracting B instead of the row's max loses nothing: exp(-2 B) >= 2^-115 for bf16
+// (fp32's exponent range: B <= 39.8), >= 2^-13 for fp16 (smallest normal 2^-14: B <= 4.5).
+template <class Elem> struct MaxScoreBound { static constexpr float value = 39.8f; };
+template <> struct MaxScoreBound<half_t> { static constexpr float value = 4.5f; };
+
 // Online softmax on this thread's rows (h = 0: lane_row, h = 1: lane_row + 8), the math of
 // flash_fwd_sm80.cuh: new running max, alpha = exp2((m_old - m_new) * c) for O and l, and
-// S -> P = exp2(S * c - m_new * c) in place (fp32).
+// S -> P = exp2(S * c - m_new * c) in place (fp32). `fixed` (a bounded score_mod, uniform over
+// the tile): row_max holds the bound B for good, so P = exp2(S * c - B * c), alpha = 1 and no max
+// is taken; the caller then skips O's rescale.
 template <class C>
 __device__ __forceinline__ void softmax_step(float (&acc_s)[C::kBlockN / 2], float (&row_max)[2],
                                              float (&row_sum)[2], float scale_log2,
-                                             float (&alpha)[2]) {
+                                             float (&alpha)[2], bool fixed = false) {
     // A row's max over this thread's block_n / 4 scores runs as kParts independent chains and
     // then a tree: one chain of dependent FMNMX made every exp2 wait out block_n / 8 FMNMX
     // latencies (PERF_NOTES §30: hd64 +1-5% at >= 4k). The sum stays one chain: it runs behind
@@ -20,21 +29,27 @@ __device__ __forceinline__ void softmax_step(float (&acc_s)[C::kBlockN / 2], flo
     static_assert(kPairs >= kParts, "block_n >= 32");
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        float part[kParts];
-        #pragma unroll
-        for (int i = 0; i < kPairs; ++i) {
-            const float pair = fmaxf(acc_s[4 * i + 2 * h], acc_s[4 * i + 2 * h + 1]);
-            part[i % kParts] = i < kParts ? pair : fmaxf(part[i % kParts], pair);
+        float m_scaled;
+        if (fixed) {
+            m_scaled = row_max[h] * scale_log2;
+            alpha[h] = 1.f;
+        } else {
+            float part[kParts];
+            #pragma unroll
+            for (int i = 0; i < kPairs; ++i) {
+                const float pair = fmaxf(acc_s[4 * i + 2 * h], acc_s[4 * i + 2 * h + 1]);
+                part[i % kParts] = i < kParts ? pair : fmaxf(part[i % kParts], pair);
+            }
+            float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
+            mx = fmaxf(mx, row_max[h]);
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            // A row that has seen only masked keys keeps m = -inf: use 0 so that (-inf) - (-inf)
+            // never happens; its p and alpha are then exp2(-inf) = 0.
+            m_scaled = mx == neg_inf() ? 0.f : mx * scale_log2;
+            alpha[h] = exp2_approx(row_max[h] * scale_log2 - m_scaled);
+            row_max[h] = mx;
         }
-        float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
-        mx = fmaxf(mx, row_max[h]);
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        // A row that has seen only masked keys keeps m = -inf: use 0 so that (-inf) - (-inf)
-        // never happens; its p and alpha are then exp2(-inf) = 0.
-        const float m_scaled = mx == neg_inf() ? 0.f : mx * scale_log2;
-        alpha[h] = exp2_approx(row_max[h] * scale_log2 - m_scaled);
-        row_max[h] = mx;
         float sum = 0.f;
         #pragma unroll
         for (int i = 0; i < kPairs; ++i)

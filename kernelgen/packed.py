@@ -1,0 +1,59 @@
+"""Packed documents as per-token key ranges: what specs/flash_attn_packed.yaml takes.
+
+Several documents concatenated along the sequence, each token attending only to its own
+document's tokens: with per-token document ids that is flash_attn_document's mask (any layout of
+ids, a block mask to skip tiles). When the documents are packed back to back, each query's
+visible keys are one contiguous run [doc_start, doc_end), and those runs move forward along the
+sequence, which the kernel uses as an exact kv range: no block mask, no id loads per key.
+
+    start, end = kernelgen.packed_ranges(doc_ids)             # self-attention over a packed batch
+    start, end = kernelgen.packed_ranges(doc_q, doc_k)        # queries and keys of other lengths
+    attn = kernelgen.load("flash_attn_packed", head_dim=128, dtype="bf16", causal=True)
+    out = attn(q, k, v, doc_start=start, doc_end=end)
+"""
+from __future__ import annotations
+
+import torch
+
+
+def packed_ranges(doc_q: torch.Tensor, doc_k: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(doc_start, doc_end), each (batch, seqlen_q) int32 contiguous on doc_q's device: the keys
+    [doc_start[b, i], doc_end[b, i]) are those whose id in doc_k equals doc_q[b, i].
+
+    doc_q: (batch, seqlen_q) integer document ids of the queries; doc_k: (batch, seqlen_k) the
+    keys' (default doc_q). Both must be non-decreasing along each sequence (documents packed back
+    to back, numbered in order), or the ranges would not be an exact kv range: a ValueError names
+    the argument (flash_attn_document takes ids in any layout). A query whose id no key has gets
+    an empty range (its output row is zero). This checks the order on the host: one sync, so
+    build the ranges once per batch, as a block mask is built.
+    """
+    doc_k = doc_q if doc_k is None else doc_k
+    for name, ids in (("doc_q", doc_q), ("doc_k", doc_k)):
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            raise ValueError(f"packed_ranges: {name} must be a (batch, seqlen) tensor of document "
+                             f"ids, got {_describe(ids)}")
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise ValueError(f"packed_ranges: {name} must hold integer document ids, got {ids.dtype}")
+    if doc_k.shape[0] != doc_q.shape[0] or doc_k.device != doc_q.device:
+        raise ValueError(f"packed_ranges: doc_k {_describe(doc_k)} must have doc_q's batch and "
+                         f"device ({_describe(doc_q)})")
+    if doc_k.shape[1] >= 2**31:
+        raise ValueError(f"packed_ranges: doc_k has {doc_k.shape[1]} keys; int32 ranges hold "
+                         "fewer than 2^31")
+    steps = torch.stack([(ids[:, 1:] < ids[:, :-1]).any() for ids in (doc_q, doc_k)]).tolist()
+    for name, unordered in zip(("doc_q", "doc_k"), steps):
+        if unordered:
+            raise ValueError(f"packed_ranges: {name} must be non-decreasing along each sequence "
+                             "(documents packed back to back, numbered in order); "
+                             "flash_attn_document takes ids in any layout")
+    keys, queries = doc_k.to(torch.int64).contiguous(), doc_q.to(torch.int64).contiguous()
+    start = torch.searchsorted(keys, queries, right=False)
+    end = torch.searchsorted(keys, queries, right=True)
+    return start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor {tuple(value.shape)} {value.dtype} on {value.device}"
+    return type(value).__name__

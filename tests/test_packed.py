@@ -1,0 +1,46 @@
+"""kernelgen.packed_ranges: packed documents' ids as the per-token key ranges flash_attn_packed
+takes (CPU; the kernels' numerics are tests/test_mods*_gpu.py's)."""
+import pytest
+import torch
+
+import kernelgen
+from kernelgen import bench_mods
+
+
+def mask_of(start, end, seqlen_k):
+    keys = torch.arange(seqlen_k)
+    return (keys >= start[:, :, None]) & (keys < end[:, :, None])
+
+
+def test_ranges_are_the_ids_mask():
+    ids = bench_mods.document_ids(bench_mods.document_lengths(batch=3, seqlen=97, documents=5, seed=2))
+    ids[2, 40:] += 1
+    ids[2, 41:] += 1   # token 40 a document of its own
+    start, end = kernelgen.packed_ranges(ids)
+    assert start.dtype == end.dtype == torch.int32 and start.shape == end.shape == ids.shape
+    assert start.is_contiguous() and end.is_contiguous()
+    assert (start[2, 40], end[2, 40]) == (40, 41)
+    assert torch.equal(mask_of(start, end, 97), ids[:, :, None] == ids[:, None, :])
+    # Non-decreasing along each sequence: what makes them an exact kv range.
+    assert bool((start.diff(dim=1) >= 0).all() and (end.diff(dim=1) >= 0).all())
+
+
+def test_queries_and_keys_of_other_lengths_and_ids_without_keys():
+    doc_q = torch.tensor([[0, 0, 1, 1, 1, 3, 3], [2, 2, 2, 2, 5, 5, 6]])
+    doc_k = torch.tensor([[0, 1, 1, 2, 3], [0, 2, 2, 5, 5]])
+    start, end = kernelgen.packed_ranges(doc_q, doc_k)
+    assert torch.equal(mask_of(start, end, 5), doc_q[:, :, None] == doc_k[:, None, :])
+    assert (start[1, 6], end[1, 6]) == (5, 5)   # document 6 has no keys: an empty range
+
+
+@pytest.mark.parametrize("doc_q, doc_k, match", [
+    (torch.tensor([[0, 1, 0]]), None, "doc_q must be non-decreasing"),
+    (torch.tensor([[0, 0, 1]]), torch.tensor([[1, 0]]), "doc_k must be non-decreasing"),
+    (torch.tensor([0, 0, 1]), None, r"doc_q must be a \(batch, seqlen\) tensor"),
+    (torch.tensor([[0.0, 1.0]]), None, "doc_q must hold integer document ids"),
+    (torch.tensor([[0, 1]]), torch.tensor([[0], [1]]), "doc_k .* must have doc_q's batch"),
+    ([[0, 1]], None, "doc_q must be a .* got list"),
+])
+def test_bad_ids_name_the_argument(doc_q, doc_k, match):
+    with pytest.raises(ValueError, match=match):
+        kernelgen.packed_ranges(doc_q, doc_k)
