@@ -15,6 +15,7 @@ _LAZY = {
     "BoundKernel": "kernelgen.api",
     "flash_attn_func": "kernelgen.ops",
     "packed_ranges": "kernelgen.packed",
+    "varlen_ranges": "kernelgen.packed",
     "load_spec": "kernelgen.spec",
     "SpecError": "kernelgen.spec",
     "CompileError": "kernelgen.compile",

@@ -54,7 +54,7 @@ class AttentionKernel:
                             "take no block mask")
         tensors = [x for x in mask_args.values() if isinstance(x, torch.Tensor)]
         device = tensors[0].device if tensors else torch.device("cuda", torch.cuda.current_device())
-        values = self._mod_values(mask_args, device)
+        values = self._mod_values(mask_args, device, _sizes(batch, heads, seqlen_q, seqlen_k))
         return blockmask.create_block_mask(
             self.spec, self.params, batch, heads, seqlen_q, seqlen_k,
             dict(zip((a.name for a in self.mod_args), values)), device)
@@ -77,7 +77,7 @@ class AttentionKernel:
                              f"head_dim={self.params['head_dim']}")
         if "dtype" in self.params and ops._DTYPES[q.dtype] != self.params["dtype"]:
             raise TypeError(f"q is {q.dtype} but this kernel was built for dtype={self.params['dtype']}")
-        values = self._mod_values(mod_args, q.device)
+        values = self._mod_values(mod_args, q.device, _sizes_of(q, k))
         scale = ops._scale(q, softmax_scale)
         if self.spec.mods.block_sparse:
             batch, seqlen_q, heads, _ = q.shape
@@ -150,7 +150,7 @@ class AttentionKernel:
         this GPU runs (the Hopper one on compute capability 9.0) and, unless backward=False, the
         backward's main kernel if the spec is differentiable. Returns the tune.TuneResults."""
         ops._check_inputs(q, k, v)
-        values = self._mod_values(mod_args, q.device)
+        values = self._mod_values(mod_args, q.device, _sizes_of(q, k))
         named = dict(zip((a.name for a in self.mod_args), values))
         device = q.device.index
         batch, seqlen_q, heads, _ = q.shape
@@ -178,8 +178,10 @@ class AttentionKernel:
             results.append(tune.tune(spec, problem, device=device, mod_values=named, **params))
         return results
 
-    def _mod_values(self, given: dict, device) -> tuple:
-        """The mod arguments in the kernel's order, checked: tensors for `ptr`, numbers else."""
+    def _mod_values(self, given: dict, device, sizes: dict) -> tuple:
+        """The mod arguments in the kernel's order, checked: tensors for `ptr` (on q's device,
+        contiguous, of the element type the spec's ctype reads and of its declared shape in the
+        problem's `sizes`), numbers else."""
         names = [a.name for a in self.mod_args]
         missing = [n for n in names if n not in given]
         extra = [n for n in given if n not in names]
@@ -196,6 +198,15 @@ class AttentionKernel:
                     raise ValueError(f"{arg.name} is on {value.device} but q is on {device}")
                 if not value.is_contiguous():
                     raise ValueError(f"{arg.name} must be contiguous")
+                wanted = _CTYPE_DTYPES.get(" ".join(arg.ctype.replace("const", " ")
+                                                    .replace("*", " ").split()))
+                if wanted is not None and value.dtype != wanted:
+                    raise TypeError(f"{arg.name} must be {wanted} (the spec reads it as "
+                                    f"{arg.ctype!r}), got {value.dtype}")
+                shape = tuple(sizes[size] for size in arg.shape)
+                if arg.shape and tuple(value.shape) != shape:
+                    raise ValueError(f"{arg.name} must have shape ({', '.join(arg.shape)}) = "
+                                     f"{shape}, got {tuple(value.shape)}")
                 values.append(value)
             elif arg.type == "f32":
                 values.append(float(value))
@@ -204,6 +215,19 @@ class AttentionKernel:
                     raise TypeError(f"{arg.name} must be an int, got {value!r}")
                 values.append(value)
         return tuple(values)
+
+
+# The element types of a tensor argument's ctype that a dtype stands for (others: not checked).
+_CTYPE_DTYPES = {"int": torch.int32, "int32_t": torch.int32, "float": torch.float32,
+                 "long long": torch.int64, "int64_t": torch.int64}
+
+
+def _sizes(batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> dict:
+    return {"batch": batch, "heads": heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
+
+
+def _sizes_of(q, k) -> dict:
+    return _sizes(q.shape[0], q.shape[2], q.shape[1], k.shape[1])
 
 
 def _launch_values(values: tuple) -> tuple:

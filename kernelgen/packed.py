@@ -8,6 +8,7 @@ sequence, which the kernel uses as an exact kv range: no block mask, no id loads
 
     start, end = kernelgen.packed_ranges(doc_ids)             # self-attention over a packed batch
     start, end = kernelgen.packed_ranges(doc_q, doc_k)        # queries and keys of other lengths
+    start, end = kernelgen.varlen_ranges(cu_seqlens)         # FlashAttention's varlen layout
     attn = kernelgen.load("flash_attn_packed", head_dim=128, dtype="bf16", causal=True)
     out = attn(q, k, v, doc_start=start, doc_end=end)
 """
@@ -51,6 +52,37 @@ def packed_ranges(doc_q: torch.Tensor, doc_k: torch.Tensor | None = None
     start = torch.searchsorted(keys, queries, right=False)
     end = torch.searchsorted(keys, queries, right=True)
     return start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
+
+
+def varlen_ranges(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashAttention's varlen layout as flash_attn_packed's ranges: sequences packed into one
+    of total_q tokens (q of shape (1, total_q, heads, head_dim)), sequence d holding the tokens
+    cu_seqlens_q[d]:cu_seqlens_q[d + 1] and seeing the keys cu_seqlens_k[d]:cu_seqlens_k[d + 1]
+    (default: the same). Returns (doc_start, doc_end), each (1, total_q) int32.
+
+    With causal=True the kernel's mask is the packed sequence's (key j visible to query i when
+    j <= i + total_k - total_q), which is each sequence's own causal mask only when every
+    sequence has as many queries as keys; cross-attention of other lengths wants causal=False.
+    cu_seqlens must be 1-D, start at 0 and never decrease (a ValueError names the argument)."""
+    cu_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 \
+                or cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool:
+            raise ValueError(f"varlen_ranges: {name} must be a 1-D integer tensor of at least 2 "
+                             f"offsets, got {_describe(cu)}")
+        if bool(cu[0] != 0) or bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError(f"varlen_ranges: {name} must start at 0 and never decrease")
+    if cu_k.numel() != cu_seqlens_q.numel() or cu_k.device != cu_seqlens_q.device:
+        raise ValueError(f"varlen_ranges: cu_seqlens_k {_describe(cu_k)} must hold as many "
+                         f"sequences as cu_seqlens_q ({_describe(cu_seqlens_q)}), on its device")
+    cu_q, cu_k = cu_seqlens_q.to(torch.int64), cu_k.to(torch.int64)
+    total_q = int(cu_q[-1])
+    tokens = torch.arange(total_q, device=cu_q.device)
+    sequence = torch.searchsorted(cu_q[1:], tokens, right=True)   # each query's sequence
+    start, end = cu_k[sequence], cu_k[sequence + 1]
+    return (start.to(torch.int32).view(1, total_q).contiguous(),
+            end.to(torch.int32).view(1, total_q).contiguous())
 
 
 def _describe(value) -> str:

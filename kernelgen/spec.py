@@ -68,6 +68,12 @@ class Arg:
     name: str
     type: str
     ctype: str
+    # A tensor argument's shape in the problem's sizes (SHAPE_SIZES), checked before a launch:
+    # a per-token tensor of the wrong size would be read past its end. () = not checked.
+    shape: tuple[str, ...] = ()
+
+
+SHAPE_SIZES = ("batch", "heads", "seqlen_q", "seqlen_k")
 
 
 class _Pairs:
@@ -470,12 +476,18 @@ def _param(name: str, value, at: _At) -> Param:
 
 
 def _arg(value, at: _At) -> Arg:
-    body = _keys(value, at, ("name", "type"), ("ctype",))
+    body = _keys(value, at, ("name", "type"), ("ctype", "shape"))
     kind = body["type"]
     if not isinstance(kind, str) or kind not in ARG_CTYPES:
         raise at["type"].error(f"unknown arg type {kind!r}", ARG_CTYPES)
     ctype = _string(body.get("ctype", ARG_CTYPES[kind]), at["ctype"])
-    return Arg(_identifier(body["name"], at["name"]), kind, ctype)
+    shape = tuple(_list(body.get("shape", []), at["shape"], nonempty=False))
+    if shape and kind != "ptr":
+        raise at["shape"].error("only a tensor (type ptr) has a shape")
+    for i, size in enumerate(shape):
+        if size not in SHAPE_SIZES:
+            raise at["shape"][i].error(f"unknown size {size!r}", SHAPE_SIZES)
+    return Arg(_identifier(body["name"], at["name"]), kind, ctype, shape)
 
 
 def _space_values(value, at: _At) -> tuple[tuple[int, ...], int | None]:

@@ -232,3 +232,39 @@ def test_modifier_specs_compile_without_spills(name, arch, cache_dir):
         source = render.render(spec, variant, spec.default_config(variant))
         binary = cache.compile_cached(source, arch)
         assert binary.spill_stores == 0 and binary.stack_bytes == 0, source.name
+
+
+@pytest.mark.parametrize("arg, match", [
+    ('{name: ids, type: ptr, shape: [batch, tokens]}', "unknown size 'tokens'"),
+    ('{name: cap, type: f32, shape: [batch]}', "only a tensor"),
+])
+def test_arg_shapes_are_checked(tmp_path, arg, match):
+    path = write(tmp_path, f"""
+        name: my_attention
+        extends: flash_attn_fwd
+        mods:
+          args:
+            - {arg}
+          score_mod: "score"
+        """)
+    with pytest.raises(SpecError, match=match):
+        load_spec(path)
+
+
+def test_tensor_arguments_are_checked_against_ctype_and_shape():
+    """AttentionKernel's check of the mod tensors (no GPU: the check before any launch)."""
+    import torch
+
+    import kernelgen
+    from kernelgen.attention import _sizes
+
+    kernel = kernelgen.load("flash_attn_document", head_dim=64, dtype="bf16")
+    sizes = _sizes(batch=2, heads=4, seqlen_q=30, seqlen_k=20)
+    ids_q, ids_k = torch.zeros(2, 30, dtype=torch.int32), torch.zeros(2, 20, dtype=torch.int32)
+    cpu = torch.device("cpu")
+    assert len(kernel._mod_values({"doc_q": ids_q, "doc_k": ids_k}, cpu, sizes)) == 2
+    with pytest.raises(TypeError, match="doc_q must be torch.int32 .* got torch.int64"):
+        kernel._mod_values({"doc_q": ids_q.long(), "doc_k": ids_k}, cpu, sizes)
+    with pytest.raises(ValueError, match=r"doc_k must have shape \(batch, seqlen_k\) = \(2, 20\), "
+                                         r"got \(2, 30\)"):
+        kernel._mod_values({"doc_q": ids_q, "doc_k": ids_q}, cpu, sizes)

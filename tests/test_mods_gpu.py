@@ -112,6 +112,22 @@ def test_packed_documents(causal, head_dim):
     check(got, q, k, v, causal, mask_mod=lambda *_: same)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_sequences_as_ranges(causal):
+    """FlashAttention's varlen layout (sequences packed into one, cu_seqlens offsets) through
+    kernelgen.varlen_ranges and flash_attn_packed: each sequence attends to itself only, causal
+    within it; lengths that are not tile multiples, one of a single token."""
+    torch.manual_seed(7)
+    cu = torch.tensor([0, 130, 131, 400, 777], device="cuda", dtype=torch.int32)
+    start, end = kernelgen.varlen_ranges(cu)
+    q, k, v = rand(1, 777, 4, 128), rand(1, 777, 2, 128), rand(1, 777, 2, 128)
+    kernel = kernelgen.load("flash_attn_packed", head_dim=128, dtype="bf16", causal=causal)
+    got = kernel(q, k, v, doc_start=start, doc_end=end, return_lse=True)
+    sequence = torch.searchsorted(cu[1:], torch.arange(777, device="cuda"), right=True)
+    same = (sequence[:, None] == sequence[None, :])[None, None]
+    check(got, q, k, v, causal, mask_mod=lambda *_: same)
+
+
 def test_tutorial_prefix_lm():
     kernel = kernelgen.load(str(REPO_ROOT / "examples" / "prefix_lm.yaml"), head_dim=64, dtype="bf16")
     torch.manual_seed(5)
@@ -131,3 +147,10 @@ def test_mods_refuse_bad_arguments():
     kernel = kernelgen.load("flash_attn_softcap", head_dim=64, dtype="bf16")
     with pytest.raises(TypeError, match="missing mod arguments \\['softcap'\\]"):
         kernel(x, x, x)
+    # Tensors are checked against the spec's ctype and shape before anything launches.
+    packed = kernelgen.load("flash_attn_packed", head_dim=64, dtype="bf16")
+    start = torch.zeros(1, 64, dtype=torch.int32, device="cuda")
+    with pytest.raises(TypeError, match="doc_start must be torch.int32"):
+        packed(x, x, x, doc_start=start.long(), doc_end=start)
+    with pytest.raises(ValueError, match=r"doc_end must have shape \(batch, seqlen_q\) = \(1, 64\)"):
+        packed(x, x, x, doc_start=start, doc_end=start[:, :63].contiguous())

@@ -44,3 +44,31 @@ def test_queries_and_keys_of_other_lengths_and_ids_without_keys():
 def test_bad_ids_name_the_argument(doc_q, doc_k, match):
     with pytest.raises(ValueError, match=match):
         kernelgen.packed_ranges(doc_q, doc_k)
+
+
+def test_varlen_offsets_are_the_same_ranges_as_ids():
+    lengths = [5, 1, 9, 3]
+    cu = torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32)
+    ids = torch.repeat_interleave(torch.arange(4), torch.tensor(lengths)).view(1, -1)
+    start, end = kernelgen.varlen_ranges(cu)
+    assert start.shape == end.shape == (1, 18) and start.dtype == torch.int32
+    assert all(torch.equal(a, b) for a, b in zip((start, end), kernelgen.packed_ranges(ids)))
+    # Cross-attention: sequence d's queries see its own keys, and an empty sequence has none.
+    cu_k = torch.tensor([0, 2, 2, 9, 10])
+    start, end = kernelgen.varlen_ranges(cu, cu_k)
+    assert (start[0, :5].unique().tolist(), end[0, :5].unique().tolist()) == ([0], [2])
+    assert (start[0, 5].item(), end[0, 5].item()) == (2, 2)
+    assert (start[0, 17].item(), end[0, 17].item()) == (9, 10)
+
+
+@pytest.mark.parametrize("cu_q, cu_k, match", [
+    (torch.tensor([1, 5]), None, "cu_seqlens_q must start at 0"),
+    (torch.tensor([0, 5, 3]), None, "cu_seqlens_q must start at 0 and never decrease"),
+    (torch.tensor([[0, 5]]), None, "cu_seqlens_q must be a 1-D integer tensor"),
+    (torch.tensor([0.0, 5.0]), None, "cu_seqlens_q must be a 1-D integer tensor"),
+    (torch.tensor([0, 5]), torch.tensor([0, 2, 4]), "must hold as many sequences"),
+    (torch.tensor([0, 5]), torch.tensor([0, 7, 4])[:2].flip(0), "cu_seqlens_k must start at 0"),
+])
+def test_bad_offsets_name_the_argument(cu_q, cu_k, match):
+    with pytest.raises(ValueError, match=match):
+        kernelgen.varlen_ranges(cu_q, cu_k)
