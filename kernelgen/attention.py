@@ -28,6 +28,10 @@ class AttentionKernel:
         self.variant = spec.variant(arch=spec.archs[0], **params)  # validates the params now
         self.params = self.variant.as_dict()
         self.mod_args = spec.mods.args  # a block mask's list arguments follow them (block_mask=)
+        # The dtype each tensor argument's ctype reads (None: not checked), once per kernel.
+        self._dtypes = tuple(_CTYPE_DTYPES.get(" ".join(a.ctype.replace("const", " ")
+                                                        .replace("*", " ").split()))
+                             for a in self.mod_args)
         if arch is None and torch.cuda.is_available():
             arch = api.pick_arch(spec)
         self._kernels: dict[str, api.BoundKernel] = {}
@@ -189,7 +193,7 @@ class AttentionKernel:
             raise TypeError(f"{self.spec.name}: missing mod arguments {missing}, unexpected "
                             f"{extra}; it takes {names}")
         values = []
-        for arg in self.mod_args:
+        for arg, wanted in zip(self.mod_args, self._dtypes):
             value = given[arg.name]
             if arg.type == "ptr":
                 if not isinstance(value, torch.Tensor):
@@ -198,8 +202,6 @@ class AttentionKernel:
                     raise ValueError(f"{arg.name} is on {value.device} but q is on {device}")
                 if not value.is_contiguous():
                     raise ValueError(f"{arg.name} must be contiguous")
-                wanted = _CTYPE_DTYPES.get(" ".join(arg.ctype.replace("const", " ")
-                                                    .replace("*", " ").split()))
                 if wanted is not None and value.dtype != wanted:
                     raise TypeError(f"{arg.name} must be {wanted} (the spec reads it as "
                                     f"{arg.ctype!r}), got {value.dtype}")

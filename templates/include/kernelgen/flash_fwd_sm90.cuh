@@ -265,14 +265,11 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     // and -2% (causal) at hd64, where the two softmax paths cost more than the max they save
     // (PERF_NOTES §41; hd96 and hd192 follow their neighbours, unmeasured).
     constexpr bool kBounded = Mods::kScoreBound && C::kHeadDim >= 128;
-    bool fixed = false;
-    if constexpr (kBounded) {
-        const float bound = mods.score_bound(w.batch, w.head);
-        fixed = bound >= 0.f && bound <= MaxScoreBound<Elem>::value;
-        if (fixed) row_max[0] = row_max[1] = bound;
-    }
+    const float bound = kBounded ? mods.score_bound(w.batch, w.head) : 0.f;
+    const bool fixed = kBounded && bound >= 0.f && bound <= MaxScoreBound<Elem>::value;
+    if (fixed) row_max[0] = row_max[1] = bound;
     const auto rescale = [&](const float (&by)[2]) {
-        if (!(kBounded && fixed)) rescale_o<C>(acc_o, by);
+        if (!fixed) rescale_o<C>(acc_o, by);
     };
     const int wg_row0 = row0 + wg * 64;
     const int lane_row = wg_row0 + warp * 16 + lane / 4;  // this thread's rows: lane_row, +8
@@ -331,7 +328,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             const ModBits<C> bits = mask_bits(i, c0);  // loads run while the QK^T does
             wgmma_wait<0>();
             finish_qk(i, c0, bits);
-            softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha, kBounded && fixed);
+            softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha, fixed);
             if (i == 0) release_previous_q();
             rescale(alpha);
             pack_p<C>(p, acc_s);
@@ -359,8 +356,8 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         const ModBits<C> bits0 = mask_bits(0, c00);
         wgmma_wait<0>();
         finish_qk(0, c00, bits0);
-        softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha,  // O is 0: alpha unused
-                        kBounded && fixed);
+        // O is 0: alpha unused
+        softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha, fixed);
         release_previous_q();
         pack_p<C>(p, acc_s);
         for (int i = 1; i < n_blocks; ++i) {
@@ -378,7 +375,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             const ModBits<C> bits = mask_bits(i, c0);
             wgmma_wait<1>();  // S done, P V still running: p and acc_o stay untouched
             finish_qk(i, c0, bits);
-            softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha, kBounded && fixed);
+            softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha, fixed);
             wgmma_wait<0>();
             fence_operands(acc_o);
             release_kv_slot<C>(bar.empty_v(stage(i - 1)), lane);
