@@ -261,9 +261,9 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     // A score_mod bounded by B small enough for the 16-bit P (softcap's cap, mods.score_bound):
     // every row subtracts B for good instead of its running max, so no max is taken and O is
     // never rescaled (exact: P = exp(s - B) stays a normal number). Uniform over the tile.
-    // Head dims from 128 only: softcap measured +4% at hd128 and +13% at hd256, but -9% (full)
-    // and -2% (causal) at hd64, where the two softmax paths cost more than the max they save
-    // (PERF_NOTES §41; hd96 and hd192 follow their neighbours, unmeasured).
+    // Head dims from 128 only: softcap measured +4% at hd128, +9-12% at hd192 and +13% at
+    // hd256, but -9% (full) and -2% (causal) at hd64 and -1.5% / -0.4% at hd96, where the two
+    // softmax paths cost more than the max they save (PERF_NOTES §41, §42).
     constexpr bool kBounded = Mods::kScoreBound && C::kHeadDim >= 128;
     const float bound = kBounded ? mods.score_bound(w.batch, w.head) : 0.f;
     const bool fixed = kBounded && bound >= 0.f && bound <= MaxScoreBound<Elem>::value;
