@@ -16,6 +16,7 @@ _LAZY = {
     "flash_attn_func": "kernelgen.ops",
     "packed_ranges": "kernelgen.packed",
     "varlen_ranges": "kernelgen.packed",
+    "flash_attn_varlen_func": "kernelgen.packed",
     "load_spec": "kernelgen.spec",
     "SpecError": "kernelgen.spec",
     "CompileError": "kernelgen.compile",

@@ -288,13 +288,19 @@ def builtin_forward(q, k, v, causal, softmax_scale, return_lse, window_size, sof
                                   "write a spec with both mods (docs/writing-specs.md)")
     ops._check_inputs(q, k, v)
     name, extra = _builtin_args(active[0], q, window_size, softcap, alibi_slopes)
+    return builtin_kernel(name, q, causal)(q, k, v, softmax_scale=softmax_scale,
+                                           return_lse=return_lse, deterministic=deterministic,
+                                           **extra)
+
+
+def builtin_kernel(name: str, q, causal: bool) -> AttentionKernel:
+    """The shipped spec `name`'s kernel for q's head_dim and dtype (q checked), one per process."""
     key = (name, q.shape[-1], ops._DTYPES[q.dtype], bool(causal))
     kernel = _BUILTINS.get(key)
     if kernel is None:
         kernel = _BUILTINS[key] = AttentionKernel(load_spec(name), head_dim=q.shape[-1],
                                                   dtype=ops._DTYPES[q.dtype], causal=bool(causal))
-    return kernel(q, k, v, softmax_scale=softmax_scale, return_lse=return_lse,
-                  deterministic=deterministic, **extra)
+    return kernel
 
 
 def _builtin_args(option, q, window_size, softcap, alibi_slopes):

@@ -11,6 +11,7 @@ sequence, which the kernel uses as an exact kv range: no block mask, no id loads
     start, end = kernelgen.varlen_ranges(cu_seqlens)         # FlashAttention's varlen layout
     attn = kernelgen.load("flash_attn_packed", head_dim=128, dtype="bf16", causal=True)
     out = attn(q, k, v, doc_start=start, doc_end=end)
+    out = kernelgen.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=True)
 """
 from __future__ import annotations
 
@@ -54,35 +55,96 @@ def packed_ranges(doc_q: torch.Tensor, doc_k: torch.Tensor | None = None
     return start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
 
 
-def varlen_ranges(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def varlen_ranges(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None = None,
+                  causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention's varlen layout as flash_attn_packed's ranges: sequences packed into one
     of total_q tokens (q of shape (1, total_q, heads, head_dim)), sequence d holding the tokens
     cu_seqlens_q[d]:cu_seqlens_q[d + 1] and seeing the keys cu_seqlens_k[d]:cu_seqlens_k[d + 1]
     (default: the same). Returns (doc_start, doc_end), each (1, total_q) int32.
 
-    With causal=True the kernel's mask is the packed sequence's (key j visible to query i when
-    j <= i + total_k - total_q), which is each sequence's own causal mask only when every
-    sequence has as many queries as keys; cross-attention of other lengths wants causal=False.
-    cu_seqlens must be 1-D, start at 0 and never decrease (a ValueError names the argument)."""
+    causal=True puts each sequence's own causal mask into the ranges, aligned bottom-right as
+    flash_attn_func's: query t of a sequence of len_q queries and len_k keys sees its keys 0 ..
+    t + len_k - len_q (none when that is negative); run the kernel with causal=False then. (The
+    kernel's own causal=True masks the packed sequence as one, key j visible to query i when
+    j <= i + total_k - total_q: each sequence's causal mask only when every sequence has as many
+    queries as keys.) cu_seqlens must be 1-D, start at 0 and never decrease (a ValueError names
+    the argument)."""
+    return _varlen(cu_seqlens_q, cu_seqlens_k, causal)[:2]
+
+
+def _varlen(cu_seqlens_q, cu_seqlens_k, causal):
+    """varlen_ranges' (start, end), then what flash_attn_varlen_func checks as well: (total_q,
+    total_k, longest_q, longest_k), all read from the GPU in one host sync."""
     cu_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_k)):
         if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 \
                 or cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool:
             raise ValueError(f"varlen_ranges: {name} must be a 1-D integer tensor of at least 2 "
                              f"offsets, got {_describe(cu)}")
-        if bool(cu[0] != 0) or bool((cu[1:] < cu[:-1]).any()):
-            raise ValueError(f"varlen_ranges: {name} must start at 0 and never decrease")
     if cu_k.numel() != cu_seqlens_q.numel() or cu_k.device != cu_seqlens_q.device:
         raise ValueError(f"varlen_ranges: cu_seqlens_k {_describe(cu_k)} must hold as many "
                          f"sequences as cu_seqlens_q ({_describe(cu_seqlens_q)}), on its device")
     cu_q, cu_k = cu_seqlens_q.to(torch.int64), cu_k.to(torch.int64)
-    total_q = int(cu_q[-1])
+    len_q, len_k = cu_q.diff(), cu_k.diff()
+    facts = torch.stack([cu_q[0], cu_k[0], (len_q < 0).any().long(), (len_k < 0).any().long(),
+                         cu_q[-1], cu_k[-1], len_q.max(), len_k.max()]).tolist()
+    for name, first, decreases in (("cu_seqlens_q", *facts[0:3:2]), ("cu_seqlens_k", *facts[1:4:2])):
+        if first != 0 or decreases:
+            raise ValueError(f"varlen_ranges: {name} must start at 0 and never decrease")
+    total_q = facts[4]
     tokens = torch.arange(total_q, device=cu_q.device)
     sequence = torch.searchsorted(cu_q[1:], tokens, right=True)   # each query's sequence
     start, end = cu_k[sequence], cu_k[sequence + 1]
+    if causal:   # still non-decreasing along the tokens: an exact kv range
+        end = torch.minimum(end, start + (tokens - cu_q[sequence] + len_k[sequence]
+                                          - len_q[sequence] + 1).clamp_min(0))
     return (start.to(torch.int32).view(1, total_q).contiguous(),
-            end.to(torch.int32).view(1, total_q).contiguous())
+            end.to(torch.int32).view(1, total_q).contiguous(), *facts[4:])
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None,
+                           max_seqlen_k=None, causal: bool = False,
+                           softmax_scale: float | None = None, return_lse: bool = False,
+                           deterministic: bool = False):
+    """FlashAttention's varlen call: sequences of different lengths packed along one token axis,
+    q (total_q, heads, head_dim), k and v (total_k, heads_k, head_dim), sequence d holding the
+    queries cu_seqlens_q[d]:cu_seqlens_q[d + 1] and the keys cu_seqlens_k[d]:cu_seqlens_k[d + 1].
+    Each sequence attends to itself only; causal masks each one aligned bottom-right, as
+    flash_attn_func does. Returns out (like q) and, with return_lse, lse (heads, total_q) in
+    float32; differentiable in q, k and v. max_seqlen_q / max_seqlen_k (FlashAttention sizes its
+    grid with them) are not needed here; when given they must bound the longest sequence.
+
+    It runs flash_attn_packed on varlen_ranges' key ranges (causal folded into them), so a
+    sequence's tiles see no other sequence's keys and cost nothing for them. The offsets are
+    checked on the host (a sync). cu_seqlens_k=None: the same as cu_seqlens_q."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            raise ValueError(f"flash_attn_varlen_func: {name} must be a (total_tokens, heads, "
+                             f"head_dim) tensor, got {_describe(x)}")
+    start, end, total_q, total_k, longest_q, longest_k = _varlen(cu_seqlens_q, cu_seqlens_k,
+                                                                 bool(causal))
+    for name, x, total, longest, bound in (("q", q, total_q, longest_q, max_seqlen_q),
+                                           ("k", k, total_k, longest_k, max_seqlen_k)):
+        if x.shape[0] != total:
+            raise ValueError(f"flash_attn_varlen_func: {name} holds {x.shape[0]} tokens but "
+                             f"cu_seqlens_{name}[-1] is {total}")
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)
+                                  or bound < longest):
+            raise ValueError(f"flash_attn_varlen_func: max_seqlen_{name}={bound!r} must be an int "
+                             f"of at least the longest sequence's {longest} tokens")
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"flash_attn_varlen_func: v holds {v.shape[0]} tokens, k {k.shape[0]}")
+    from kernelgen import ops
+    from kernelgen.attention import builtin_kernel
+
+    q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)   # a batch of one
+    ops._check_inputs(q4, k4, v4)
+    got = builtin_kernel("flash_attn_packed", q4, causal=False)(
+        q4, k4, v4, softmax_scale=softmax_scale, return_lse=return_lse,
+        deterministic=deterministic, doc_start=start.to(q.device), doc_end=end.to(q.device))
+    if return_lse:
+        return got[0].squeeze(0), got[1].squeeze(0)
+    return got.squeeze(0)
 
 
 def _describe(value) -> str:

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 import torch
-from test_mods_gpu import packed_documents
+from test_mods_gpu import packed_documents, varlen_problem
 
 import kernelgen
 from kernelgen import backward, backward_sm90, env
@@ -155,6 +155,19 @@ def test_packed_documents(causal, head_dim):
     kernel = kernelgen.load("flash_attn_packed", head_dim=head_dim, dtype="bf16", causal=causal)
     check(lambda q, k, v: kernel(q, k, v, doc_start=start, doc_end=end, return_lse=True),
           q, k, v, causal, mask_mod=lambda *_: same)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_func(causal):
+    """kernelgen.flash_attn_varlen_func's gradients (test_mods_gpu's sequences)."""
+    (cu_q, cu_k), (q, k, v), visible = varlen_problem(128, causal)
+
+    def run(q, k, v):
+        out, lse = kernelgen.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, causal=causal,
+                                                    return_lse=True)
+        return out[None], lse[None]
+
+    check(run, q[None], k[None], v[None], mask_mod=lambda *_: visible)
 
 
 def test_tutorial_prefix_lm():

@@ -128,6 +128,38 @@ def test_varlen_sequences_as_ranges(causal):
     check(got, q, k, v, causal, mask_mod=lambda *_: same)
 
 
+def varlen_problem(head_dim, causal):
+    """flash_attn_varlen_func's inputs: 5 sequences packed along one token axis with queries and
+    keys of other lengths each (more of either), one sequence with no queries, one with a single
+    query, GQA 4/2; returns (cu_q, cu_k), (q, k, v) (3-D) and the mask each sequence's own
+    (bottom-right causal) attention makes, (1, 1, total_q, total_k)."""
+    torch.manual_seed(11 + causal)
+    cu_q = torch.tensor([0, 130, 131, 131, 400, 777], device="cuda", dtype=torch.int32)
+    cu_k = torch.tensor([0, 200, 201, 260, 300, 690], device="cuda", dtype=torch.int32)
+    q, k, v = rand(777, 4, head_dim), rand(690, 2, head_dim), rand(690, 2, head_dim)
+    seq_q = torch.searchsorted(cu_q[1:], torch.arange(777, device="cuda"), right=True)
+    seq_k = torch.searchsorted(cu_k[1:], torch.arange(690, device="cuda"), right=True)
+    visible = seq_q[:, None] == seq_k[None, :]
+    if causal:   # key position <= query position + len_k - len_q, per sequence
+        pos_q = torch.arange(777, device="cuda") - cu_q[seq_q] + (cu_k.diff() - cu_q.diff())[seq_q]
+        pos_k = torch.arange(690, device="cuda") - cu_k[seq_k]
+        visible &= pos_k[None, :] <= pos_q[:, None]
+    assert not visible.any(dim=1).all()   # some rows see nothing (sequence 4 causal, at least)
+    return (cu_q, cu_k), (q, k, v), visible[None, None]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_varlen_func(causal, head_dim):
+    """kernelgen.flash_attn_varlen_func (FlashAttention's varlen call): each sequence attends to
+    itself only, causal aligned bottom-right within each."""
+    (cu_q, cu_k), (q, k, v), visible = varlen_problem(head_dim, causal)
+    out, lse = kernelgen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen_q=377,
+                                                max_seqlen_k=390, causal=causal, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (4, 777) and lse.dtype == torch.float32
+    check((out[None], lse[None]), q[None], k[None], v[None], mask_mod=lambda *_: visible)
+
+
 def test_tutorial_prefix_lm():
     kernel = kernelgen.load(str(REPO_ROOT / "examples" / "prefix_lm.yaml"), head_dim=64, dtype="bf16")
     torch.manual_seed(5)

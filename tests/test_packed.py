@@ -72,3 +72,48 @@ def test_varlen_offsets_are_the_same_ranges_as_ids():
 def test_bad_offsets_name_the_argument(cu_q, cu_k, match):
     with pytest.raises(ValueError, match=match):
         kernelgen.varlen_ranges(cu_q, cu_k)
+
+
+def varlen_mask(cu_q, cu_k, causal):
+    """Brute force: query i sees key j when both are in sequence d and, causal, j's position in
+    d is at most i's plus len_k - len_q (bottom-right)."""
+    mask = torch.zeros(int(cu_q[-1]), int(cu_k[-1]), dtype=torch.bool)
+    for d in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = int(cu_q[d]), int(cu_q[d + 1]), int(cu_k[d]), int(cu_k[d + 1])
+        for t in range(q1 - q0):
+            last = k1 - k0 - 1 if not causal else t + (k1 - k0) - (q1 - q0)
+            mask[q0 + t, k0:k0 + max(0, min(last + 1, k1 - k0))] = True
+    return mask
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_ranges_fold_each_sequences_causal_mask(causal):
+    # Queries and keys of other lengths per sequence (more of either), an empty sequence, one of
+    # a single token, a query sequence with no keys.
+    cu_q = torch.tensor([0, 5, 6, 6, 15, 18, 21])
+    cu_k = torch.tensor([0, 9, 10, 12, 14, 21, 21])
+    start, end = kernelgen.varlen_ranges(cu_q, cu_k, causal=causal)
+    assert torch.equal(mask_of(start, end, 21)[0], varlen_mask(cu_q, cu_k, causal))
+    assert bool((start.diff(dim=1) >= 0).all() and (end.diff(dim=1) >= 0).all())
+    assert bool((end >= start).all())
+    if causal:   # sequence 3 has 9 queries and 2 keys: bottom-right, its first 7 see none
+        assert end[0, 6:13].tolist() == start[0, 6:13].tolist()
+
+
+@pytest.mark.parametrize("args, error, match", [
+    (dict(q=torch.zeros(1, 6, 2, 64)), ValueError, r"q must be a \(total_tokens, heads, head_dim\)"),
+    (dict(q=torch.zeros(7, 2, 64)), ValueError, r"q holds 7 tokens but cu_seqlens_q\[-1\] is 6"),
+    (dict(k=torch.zeros(5, 2, 64)), ValueError, r"k holds 5 tokens but cu_seqlens_k\[-1\] is 6"),
+    (dict(v=torch.zeros(5, 2, 64)), ValueError, "v holds 5 tokens, k 6"),
+    (dict(max_seqlen_q=3), ValueError, "max_seqlen_q=3 must be an int of at least the longest .* 4"),
+    (dict(max_seqlen_k=4.0), ValueError, "max_seqlen_k=4.0 must be an int"),
+    (dict(cu_seqlens_q=torch.tensor([0, 4, 2])), ValueError, "cu_seqlens_q must start at 0 and never decrease"),
+    ({}, (RuntimeError, ValueError), "CUDA"),   # well formed: the CPU tensors (or no GPU) refused
+])
+def test_varlen_func_names_the_bad_argument(args, error, match):
+    call = dict(q=torch.zeros(6, 2, 64, dtype=torch.bfloat16), k=torch.zeros(6, 2, 64, dtype=torch.bfloat16),
+                v=torch.zeros(6, 2, 64, dtype=torch.bfloat16), cu_seqlens_q=torch.tensor([0, 4, 6]),
+                cu_seqlens_k=torch.tensor([0, 2, 6]))
+    call.update(args)
+    with pytest.raises(error, match=match):
+        kernelgen.flash_attn_varlen_func(**call)
