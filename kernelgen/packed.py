@@ -15,6 +15,8 @@ sequence, which the kernel uses as an exact kv range: no block mask, no id loads
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 
@@ -102,6 +104,31 @@ def _varlen(cu_seqlens_q, cu_seqlens_k, causal):
             end.to(torch.int32).view(1, total_q).contiguous(), *facts[4:])
 
 
+# A model calls flash_attn_varlen_func in every layer with the same offsets: their checks (a host
+# sync) and ranges (a few small kernels) are worth doing once per batch. Kept per offsets tensor
+# object, with a reference to it (so its id cannot be reused) and its version counter (an
+# in-place change invalidates); only for CUDA offsets, whose checks are what costs the sync.
+_REMEMBERED: OrderedDict = OrderedDict()
+_REMEMBER = 16
+
+
+def _varlen_remembered(cu_q, cu_k, causal: bool):
+    cu_k = cu_q if cu_k is None else cu_k
+    if not (isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor)
+            and cu_q.is_cuda and cu_k.is_cuda):
+        return _varlen(cu_q, cu_k, causal)
+    key, versions = (id(cu_q), id(cu_k), causal), (cu_q._version, cu_k._version)
+    hit = _REMEMBERED.get(key)
+    if hit is not None and hit[0] is cu_q and hit[1] is cu_k and hit[2] == versions:
+        _REMEMBERED.move_to_end(key)
+        return hit[3]
+    found = _varlen(cu_q, cu_k, causal)
+    _REMEMBERED[key] = (cu_q, cu_k, versions, found)
+    while len(_REMEMBERED) > _REMEMBER:
+        _REMEMBERED.popitem(last=False)
+    return found
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None,
                            max_seqlen_k=None, causal: bool = False,
                            softmax_scale: float | None = None, return_lse: bool = False,
@@ -116,13 +143,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
 
     It runs flash_attn_packed on varlen_ranges' key ranges (causal folded into them), so a
     sequence's tiles see no other sequence's keys and cost nothing for them. The offsets are
-    checked on the host (a sync). cu_seqlens_k=None: the same as cu_seqlens_q."""
+    checked on the host (a sync), once per offsets tensor: later calls with the same (unchanged)
+    cu_seqlens tensors reuse the checks and ranges, so the other layers of a model, and a CUDA
+    graph captured after the first call, need no sync. cu_seqlens_k=None: cu_seqlens_q's."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             raise ValueError(f"flash_attn_varlen_func: {name} must be a (total_tokens, heads, "
                              f"head_dim) tensor, got {_describe(x)}")
-    start, end, total_q, total_k, longest_q, longest_k = _varlen(cu_seqlens_q, cu_seqlens_k,
-                                                                 bool(causal))
+    start, end, total_q, total_k, longest_q, longest_k = _varlen_remembered(
+        cu_seqlens_q, cu_seqlens_k, bool(causal))
     for name, x, total, longest, bound in (("q", q, total_q, longest_q, max_seqlen_q),
                                            ("k", k, total_k, longest_k, max_seqlen_k)):
         if x.shape[0] != total:

@@ -128,24 +128,30 @@ def test_varlen_sequences_as_ranges(causal):
     check(got, q, k, v, causal, mask_mod=lambda *_: same)
 
 
+def varlen_mask(cu_q, cu_k, causal):
+    """(1, 1, total_q, total_k): query i sees key j when both are in sequence d and, causal, j's
+    position in d is at most i's plus len_k - len_q (bottom-right)."""
+    tq, tk = (torch.arange(int(cu[-1]), device="cuda") for cu in (cu_q, cu_k))
+    seq_q = torch.searchsorted(cu_q[1:], tq, right=True)
+    seq_k = torch.searchsorted(cu_k[1:], tk, right=True)
+    visible = seq_q[:, None] == seq_k[None, :]
+    if causal:
+        pos_q = tq - cu_q[seq_q] + (cu_k.diff() - cu_q.diff())[seq_q]
+        visible &= (tk - cu_k[seq_k])[None, :] <= pos_q[:, None]
+    return visible[None, None]
+
+
 def varlen_problem(head_dim, causal):
     """flash_attn_varlen_func's inputs: 5 sequences packed along one token axis with queries and
     keys of other lengths each (more of either), one sequence with no queries, one with a single
-    query, GQA 4/2; returns (cu_q, cu_k), (q, k, v) (3-D) and the mask each sequence's own
-    (bottom-right causal) attention makes, (1, 1, total_q, total_k)."""
+    query and no keys, GQA 4/2; returns (cu_q, cu_k), (q, k, v) (3-D) and varlen_mask."""
     torch.manual_seed(11 + causal)
     cu_q = torch.tensor([0, 130, 131, 131, 400, 777], device="cuda", dtype=torch.int32)
-    cu_k = torch.tensor([0, 200, 201, 260, 300, 690], device="cuda", dtype=torch.int32)
+    cu_k = torch.tensor([0, 200, 200, 260, 300, 690], device="cuda", dtype=torch.int32)
     q, k, v = rand(777, 4, head_dim), rand(690, 2, head_dim), rand(690, 2, head_dim)
-    seq_q = torch.searchsorted(cu_q[1:], torch.arange(777, device="cuda"), right=True)
-    seq_k = torch.searchsorted(cu_k[1:], torch.arange(690, device="cuda"), right=True)
-    visible = seq_q[:, None] == seq_k[None, :]
-    if causal:   # key position <= query position + len_k - len_q, per sequence
-        pos_q = torch.arange(777, device="cuda") - cu_q[seq_q] + (cu_k.diff() - cu_q.diff())[seq_q]
-        pos_k = torch.arange(690, device="cuda") - cu_k[seq_k]
-        visible &= pos_k[None, :] <= pos_q[:, None]
-    assert not visible.any(dim=1).all()   # some rows see nothing (sequence 4 causal, at least)
-    return (cu_q, cu_k), (q, k, v), visible[None, None]
+    visible = varlen_mask(cu_q, cu_k, causal)
+    assert not visible.any(dim=-1).all()   # some rows see nothing (sequence 1; 4 when causal)
+    return (cu_q, cu_k), (q, k, v), visible
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -158,6 +164,34 @@ def test_varlen_func(causal, head_dim):
                                                 max_seqlen_k=390, causal=causal, return_lse=True)
     assert out.shape == q.shape and lse.shape == (4, 777) and lse.dtype == torch.float32
     check((out[None], lse[None]), q[None], k[None], v[None], mask_mod=lambda *_: visible)
+
+
+def test_varlen_func_remembers_its_offsets():
+    """The second call with the same offsets tensors syncs nothing (so it can be captured in a
+    CUDA graph), and an in-place change of them is seen."""
+    (cu_q, cu_k), (q, k, v), visible = varlen_problem(64, True)
+    cu_q, cu_k = cu_q.clone(), cu_k.clone()
+    kernelgen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, causal=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph, q_in = torch.cuda.CUDAGraph(), q.clone()   # the graph's static input
+        with torch.cuda.graph(graph):
+            out, lse = kernelgen.flash_attn_varlen_func(q_in, k, v, cu_q, cu_k, causal=True,
+                                                        return_lse=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    out.fill_(float("nan"))
+    q_in.copy_(q)
+    graph.replay()
+    check((out[None], lse[None]), q[None], k[None], v[None], mask_mod=lambda *_: visible)
+    # Sequence 0 (130 queries, 200 keys) split in place into 100 + 30 queries, 150 + 50 keys.
+    cu_q.copy_(torch.tensor([0, 100, 130, 131, 400, 777]))
+    cu_k.copy_(torch.tensor([0, 150, 200, 260, 300, 690]))
+    split = varlen_mask(cu_q, cu_k, True)
+    assert not torch.equal(split, visible)
+    got = kernelgen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, causal=True, return_lse=True)
+    check((got[0][None], got[1][None]), q[None], k[None], v[None], mask_mod=lambda *_: split)
 
 
 def test_tutorial_prefix_lm():
