@@ -23,8 +23,19 @@ BASE = hopper.SPEC  # "flash_attn_fwd_sm90"
 
 def sm90_spec(spec: str | KernelSpec) -> KernelSpec:
     """The mods spec (a shipped name, a YAML path, or its KernelSpec) put onto the Hopper forward,
-    named `<spec>__flash_attn_fwd_sm90`."""
-    return load_spec(spec.path if isinstance(spec, KernelSpec) else spec, onto=BASE)
+    named `<spec>__flash_attn_fwd_sm90`. A KernelSpec's is remembered: load_spec checks the files
+    on disk each time (a path resolve and stats, ~70-200 us), which an AttentionKernel, holding
+    one parsed spec for its life, has no use for on every call."""
+    if not isinstance(spec, KernelSpec):
+        return load_spec(spec, onto=BASE)
+    key = (spec.path, spec.content_hash)
+    onto = _ONTO.get(key)
+    if onto is None:
+        onto = _ONTO[key] = load_spec(spec.path, onto=BASE)
+    return onto
+
+
+_ONTO: dict[tuple, KernelSpec] = {}
 
 
 @dataclass(frozen=True)
