@@ -32,6 +32,21 @@ def test_mod_args_follow_the_tensor_maps(name):
     assert spec.space == BASE.space
 
 
+def test_a_parsed_specs_hopper_spec_is_remembered(tmp_path):
+    """forward_sm90 runs on every call: a KernelSpec's Hopper spec is parsed once, and a spec
+    whose text changed (a new KernelSpec) gets its own."""
+    own = load_spec("flash_attn_softcap")
+    assert mods_sm90.sm90_spec(own) is mods_sm90.sm90_spec(own)
+    assert mods_sm90.sm90_spec(own).content_hash == ONTO["flash_attn_softcap"].content_hash
+    path = tmp_path / "mine.yaml"
+    text = (REPO_ROOT / "examples" / "prefix_lm.yaml").read_text()
+    path.write_text(text)
+    first = mods_sm90.sm90_spec(load_spec(path))
+    path.write_text(text + "\n# changed\n")
+    second = mods_sm90.sm90_spec(load_spec(path))
+    assert second is not first and second.content_hash != first.content_hash
+
+
 # bf16 only, like tests/test_sm90.py: fp16 differs in the wgmma and cvt suffixes. Besides the
 # defaults, persistent configs (the tile loop keeps the kv range's state) and three consumers.
 BUILDS = [(name, variant, ONTO[name].default_config(variant))
