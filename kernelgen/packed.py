@@ -16,6 +16,7 @@ sequence, which the kernel uses as an exact kv range: no block mask, no id loads
 from __future__ import annotations
 
 from collections import OrderedDict
+from numbers import Integral
 
 import torch
 
@@ -157,7 +158,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
         if x.shape[0] != total:
             raise ValueError(f"flash_attn_varlen_func: {name} holds {x.shape[0]} tokens but "
                              f"cu_seqlens_{name}[-1] is {total}")
-        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, Integral)
                                   or bound < longest):
             raise ValueError(f"flash_attn_varlen_func: max_seqlen_{name}={bound!r} must be an int "
                              f"of at least the longest sequence's {longest} tokens")

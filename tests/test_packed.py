@@ -109,6 +109,7 @@ def test_varlen_ranges_fold_each_sequences_causal_mask(causal):
     (dict(max_seqlen_k=4.0), ValueError, "max_seqlen_k=4.0 must be an int"),
     (dict(cu_seqlens_q=torch.tensor([0, 4, 2])), ValueError, "cu_seqlens_q must start at 0 and never decrease"),
     ({}, (RuntimeError, ValueError), "CUDA"),   # well formed: the CPU tensors (or no GPU) refused
+    (dict(max_seqlen_q=torch.tensor(4).numpy()[()], max_seqlen_k=4), (RuntimeError, ValueError), "CUDA"),
 ])
 def test_varlen_func_names_the_bad_argument(args, error, match):
     call = dict(q=torch.zeros(6, 2, 64, dtype=torch.bfloat16), k=torch.zeros(6, 2, 64, dtype=torch.bfloat16),
