@@ -108,9 +108,10 @@ def _varlen(cu_seqlens_q, cu_seqlens_k, causal):
 # A model calls flash_attn_varlen_func in every layer with the same offsets: their checks (a host
 # sync) and ranges (a few small kernels) are worth doing once per batch. Kept per offsets tensor
 # object, with a reference to it (so its id cannot be reused) and its version counter (an
-# in-place change invalidates); only for CUDA offsets, whose checks are what costs the sync.
+# in-place change invalidates); only for CUDA offsets, whose checks are what costs the sync. A few
+# entries (micro-batches in flight) suffice; each holds two int32 per query token on the GPU.
 _REMEMBERED: OrderedDict = OrderedDict()
-_REMEMBER = 16
+_REMEMBER = 4
 
 
 def _varlen_remembered(cu_q, cu_k, causal: bool):
