@@ -343,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="directory for bench.json and bench.png (mods.json with --mods)")
     parser.add_argument("--mods", nargs="*", metavar="NAME",
                         help="the modifier benchmark instead of the grid: window, softcap, alibi, "
-                             "document (none named: all)")
+                             "document, packed, varlen (none named: all)")
     parser.add_argument("--systems", nargs="+", metavar="NAME",
                         help="time only these (kernelgen, kg_sm80, sdpa_flash, sdpa_cudnn, flex); "
                              "default: all that run here")

@@ -4,7 +4,9 @@
              kernelgen.load("flash_attn_document", ...) called with per-token document ids and
              its BlockMask (kernel.create_block_mask), built once per case outside the timed
              region as flex's is; packed: the same documents given to flash_attn_packed as
-             per-token key ranges (kernelgen.packed_ranges, built once outside the timing)
+             per-token key ranges (kernelgen.packed_ranges, built once outside the timing);
+             varlen: the same documents as FlashAttention's varlen call
+             (kernelgen.flash_attn_varlen_func, the batch flattened, one offset per document)
   plain      kernelgen's unmodified kernel (flash_attn_func) on the same shape and causal mode
   flex       FlexAttention with the same modification: window and documents as BlockMasks, built
              once per case outside the timed region; softcap and ALiBi as score_mods (with the
@@ -37,7 +39,7 @@ import torch
 from kernelgen.bench import (causal_block_mask, flex_bshd, measure_each, record_error,
                              time_pass)
 
-MODS = ("window", "softcap", "alibi", "document", "packed")
+MODS = ("window", "softcap", "alibi", "document", "packed", "varlen")
 WINDOW = {False: (1024, 1024), True: (1024, 0)}  # by causal
 SOFTCAP = 30.0
 HIDDEN = 2048  # heads = HIDDEN / head_dim, as in the grid
@@ -166,12 +168,22 @@ def build_case(mod: str, causal: bool, batch: int, heads: int, seqlen: int, head
                     lambda q, k, v: kernelgen.flash_attn_func(q, k, v, causal=causal,
                                                               alibi_slopes=slopes),
                     alibi_score_mod(slopes, 0), causal_mask)
-    if mod in ("document", "packed"):   # the same documents: by ids, or as key ranges
+    if mod in ("document", "packed", "varlen"):   # the same documents: ids, key ranges, offsets
         lengths = document_lengths(batch, seqlen, max(2, seqlen // 1024), seed=seqlen)
         ids = document_ids(lengths).to(device)
         mask = create_block_mask(document_mask_mod(ids, causal), batch, None, seqlen, seqlen,
                                  device=device)
         pairs = document_pairs(lengths, causal)
+        if mod == "varlen":
+            flat = [n for row in lengths for n in row]
+            offsets = torch.tensor([0, *torch.tensor(flat).cumsum(0).tolist()], dtype=torch.int32,
+                                   device=device)
+
+            def varlen(q, k, v):
+                q3, k3, v3 = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
+                return kernelgen.flash_attn_varlen_func(q3, k3, v3, offsets, offsets, max(flat),
+                                                        max(flat), causal=causal).view(q.shape)
+            return Case(mod, f"varlen(x{len(flat)})", causal, pairs, plain, varlen, None, mask)
         if mod == "packed":
             start, end = kernelgen.packed_ranges(ids)
             kernel = kernelgen.load("flash_attn_packed", head_dim=head_dim, dtype="bf16",

@@ -89,7 +89,7 @@ def test_flex_versions_compute_the_modification(mod, causal, monkeypatch):
         warnings.simplefilter("ignore")  # flex's "use torch.compile" warning
         got = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                              score_mod=case.score_mod, block_mask=case.block_mask).transpose(1, 2)
-    if mod in ("document", "packed"):
+    if mod in ("document", "packed", "varlen"):
         lengths = bench_mods.document_lengths(batch, seqlen, 2, seed=seqlen)
         ids = bench_mods.document_ids(lengths)
         score_mod, mask_mod = None, lambda b, h, i, j: (ids[:, None, :, None] == ids[:, None, None, :])
