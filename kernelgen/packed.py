@@ -75,9 +75,13 @@ def varlen_ranges(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None 
     return _varlen(cu_seqlens_q, cu_seqlens_k, causal)[:2]
 
 
-def _varlen(cu_seqlens_q, cu_seqlens_k, causal):
+def _varlen(cu_seqlens_q, cu_seqlens_k, causal, own_causal=False):
     """varlen_ranges' (start, end), then what flash_attn_varlen_func checks as well: (total_q,
-    total_k, longest_q, longest_k), all read from the GPU in one host sync."""
+    total_k, longest_q, longest_k), all read from the GPU in one host sync, and whether the
+    kernel is to run its own causal mask. own_causal: when causal and the offsets of queries and
+    keys are the same (every sequence has as many queries as keys: training's case), leave the
+    ranges unfolded and say so; the kernel's causal mask (key j visible to query i when j <= i)
+    is then each sequence's, and its causal variant's tuned configs apply (PERF_NOTES §44)."""
     cu_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_k)):
         if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 \
@@ -90,7 +94,8 @@ def _varlen(cu_seqlens_q, cu_seqlens_k, causal):
     cu_q, cu_k = cu_seqlens_q.to(torch.int64), cu_k.to(torch.int64)
     len_q, len_k = cu_q.diff(), cu_k.diff()
     facts = torch.stack([cu_q[0], cu_k[0], (len_q < 0).any().long(), (len_k < 0).any().long(),
-                         cu_q[-1], cu_k[-1], len_q.max(), len_k.max()]).tolist()
+                         cu_q[-1], cu_k[-1], len_q.max(), len_k.max(),
+                         (cu_q == cu_k).all().long()]).tolist()
     for name, first, decreases in (("cu_seqlens_q", *facts[0:3:2]), ("cu_seqlens_k", *facts[1:4:2])):
         if first != 0 or decreases:
             raise ValueError(f"varlen_ranges: {name} must start at 0 and never decrease")
@@ -98,11 +103,12 @@ def _varlen(cu_seqlens_q, cu_seqlens_k, causal):
     tokens = torch.arange(total_q, device=cu_q.device)
     sequence = torch.searchsorted(cu_q[1:], tokens, right=True)   # each query's sequence
     start, end = cu_k[sequence], cu_k[sequence + 1]
-    if causal:   # still non-decreasing along the tokens: an exact kv range
+    kernel_causal = bool(causal and own_causal and facts[8])
+    if causal and not kernel_causal:   # still non-decreasing along the tokens: an exact kv range
         end = torch.minimum(end, start + (tokens - cu_q[sequence] + len_k[sequence]
                                           - len_q[sequence] + 1).clamp_min(0))
     return (start.to(torch.int32).view(1, total_q).contiguous(),
-            end.to(torch.int32).view(1, total_q).contiguous(), *facts[4:])
+            end.to(torch.int32).view(1, total_q).contiguous(), *facts[4:8], kernel_causal)
 
 
 # A model calls flash_attn_varlen_func in every layer with the same offsets: their checks (a host
@@ -118,13 +124,13 @@ def _varlen_remembered(cu_q, cu_k, causal: bool):
     cu_k = cu_q if cu_k is None else cu_k
     if not (isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor)
             and cu_q.is_cuda and cu_k.is_cuda):
-        return _varlen(cu_q, cu_k, causal)
+        return _varlen(cu_q, cu_k, causal, own_causal=True)
     key, versions = (id(cu_q), id(cu_k), causal), (cu_q._version, cu_k._version)
     hit = _REMEMBERED.get(key)
     if hit is not None and hit[0] is cu_q and hit[1] is cu_k and hit[2] == versions:
         _REMEMBERED.move_to_end(key)
         return hit[3]
-    found = _varlen(cu_q, cu_k, causal)
+    found = _varlen(cu_q, cu_k, causal, own_causal=True)
     _REMEMBERED[key] = (cu_q, cu_k, versions, found)
     while len(_REMEMBERED) > _REMEMBER:
         _REMEMBERED.popitem(last=False)
@@ -143,8 +149,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     float32; differentiable in q, k and v. max_seqlen_q / max_seqlen_k (FlashAttention sizes its
     grid with them) are not needed here; when given they must bound the longest sequence.
 
-    It runs flash_attn_packed on varlen_ranges' key ranges (causal folded into them), so a
-    sequence's tiles see no other sequence's keys and cost nothing for them. The offsets are
+    It runs flash_attn_packed on varlen_ranges' key ranges (causal folded into them, unless
+    queries and keys have the same offsets: then its causal variant), so a sequence's tiles see
+    no other sequence's keys and cost nothing for them. The offsets are
     checked on the host (a sync), once per offsets tensor: later calls with the same (unchanged)
     cu_seqlens tensors reuse the checks and ranges, so the other layers of a model, and a CUDA
     graph captured after the first call, need no sync. cu_seqlens_k=None: cu_seqlens_q's."""
@@ -152,7 +159,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             raise ValueError(f"flash_attn_varlen_func: {name} must be a (total_tokens, heads, "
                              f"head_dim) tensor, got {_describe(x)}")
-    start, end, total_q, total_k, longest_q, longest_k = _varlen_remembered(
+    start, end, total_q, total_k, longest_q, longest_k, kernel_causal = _varlen_remembered(
         cu_seqlens_q, cu_seqlens_k, bool(causal))
     for name, x, total, longest, bound in (("q", q, total_q, longest_q, max_seqlen_q),
                                            ("k", k, total_k, longest_k, max_seqlen_k)):
@@ -170,7 +177,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
 
     q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)   # a batch of one
     ops._check_inputs(q4, k4, v4)
-    got = builtin_kernel("flash_attn_packed", q4, causal=False)(
+    got = builtin_kernel("flash_attn_packed", q4, causal=kernel_causal)(
         q4, k4, v4, softmax_scale=softmax_scale, return_lse=return_lse,
         deterministic=deterministic, doc_start=start.to(q.device), doc_end=end.to(q.device))
     if return_lse:

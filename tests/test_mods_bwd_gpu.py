@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 import torch
-from test_mods_gpu import packed_documents, varlen_problem
+from test_mods_gpu import packed_documents, same_offsets_problem, varlen_problem
 
 import kernelgen
 from kernelgen import backward, backward_sm90, env
@@ -164,6 +164,19 @@ def test_varlen_func(causal):
 
     def run(q, k, v):
         out, lse = kernelgen.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, causal=causal,
+                                                    return_lse=True)
+        return out[None], lse[None]
+
+    check(run, q[None], k[None], v[None], mask_mod=lambda *_: visible)
+
+
+def test_varlen_func_causal_same_offsets():
+    """Gradients of causal varlen with the same offsets for queries and keys (the packed
+    kernel's causal variant and its backward)."""
+    cu, (q, k, v), visible = same_offsets_problem(128)
+
+    def run(q, k, v):
+        out, lse = kernelgen.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, causal=True,
                                                     return_lse=True)
         return out[None], lse[None]
 

@@ -165,6 +165,22 @@ def test_varlen_func(causal, head_dim):
     check((out[None], lse[None]), q[None], k[None], v[None], mask_mod=lambda *_: visible)
 
 
+def same_offsets_problem(head_dim):
+    """Causal varlen with the same offsets for queries and keys (training's case: the kernel's
+    own causal mask, ranges unfolded): 777 tokens in 5 sequences, one empty, one of one token."""
+    torch.manual_seed(13)
+    cu = torch.tensor([0, 130, 131, 131, 400, 777], device="cuda", dtype=torch.int32)
+    q, k, v = rand(777, 4, head_dim), rand(777, 2, head_dim), rand(777, 2, head_dim)
+    return cu, (q, k, v), varlen_mask(cu, cu, True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_varlen_func_causal_same_offsets(head_dim):
+    cu, (q, k, v), visible = same_offsets_problem(head_dim)
+    out, lse = kernelgen.flash_attn_varlen_func(q, k, v, cu, causal=True, return_lse=True)
+    check((out[None], lse[None]), q[None], k[None], v[None], mask_mod=lambda *_: visible)
+
+
 def test_varlen_func_remembers_its_offsets():
     """The second call with the same offsets tensors syncs nothing (so it can be captured in a
     CUDA graph), and an in-place change of them is seen."""

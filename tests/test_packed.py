@@ -86,6 +86,27 @@ def varlen_mask(cu_q, cu_k, causal):
     return mask
 
 
+def test_varlen_func_runs_the_causal_kernel_on_equal_offsets():
+    """flash_attn_varlen_func's plan for causal: with the same offsets for queries and keys the
+    ranges stay unfolded and the kernel's own causal mask (j <= i over the packed tokens) makes
+    each sequence's; with other offsets the mask is folded into the ranges. varlen_ranges
+    (public) folds either way."""
+    from kernelgen.packed import _varlen
+
+    cu = torch.tensor([0, 5, 6, 6, 15, 21])
+    start, end, *_, kernel_causal = _varlen(cu, cu.clone(), True, own_causal=True)
+    assert kernel_causal
+    tokens = torch.arange(21)
+    own = mask_of(start, end, 21)[0] & (tokens[None, :] <= tokens[:, None])
+    assert torch.equal(own, varlen_mask(cu, cu, True))
+    assert torch.equal(torch.stack(kernelgen.varlen_ranges(cu, causal=True)),
+                       torch.stack(_varlen(cu, cu, True)[:2]))
+    assert not torch.equal(end, kernelgen.varlen_ranges(cu, causal=True)[1])
+    assert not _varlen(cu, cu, False, own_causal=True)[-1]
+    other = torch.tensor([0, 9, 10, 12, 14, 21])
+    assert not _varlen(cu, other, True, own_causal=True)[-1]
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_ranges_fold_each_sequences_causal_mask(causal):
     # Queries and keys of other lengths per sequence (more of either), an empty sequence, one of
