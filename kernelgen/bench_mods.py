@@ -29,6 +29,7 @@ the same modification. Backward rows run only where kernelgen's modified kernel 
 """
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,7 +177,7 @@ def build_case(mod: str, causal: bool, batch: int, heads: int, seqlen: int, head
         pairs = document_pairs(lengths, causal)
         if mod == "varlen":
             flat = [n for row in lengths for n in row]
-            offsets = torch.tensor([0, *torch.tensor(flat).cumsum(0).tolist()], dtype=torch.int32,
+            offsets = torch.tensor([0, *itertools.accumulate(flat)], dtype=torch.int32,
                                    device=device)
 
             def varlen(q, k, v):
