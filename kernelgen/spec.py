@@ -163,7 +163,9 @@ MOD_CONTEXTS = {
     "mask_mod": ("batch", "head", "q_idx", "kv_idx", "seqlen_q", "seqlen_k"),
     "kv_range": ("q_first", "q_last", "batch", "head", "seqlen_q", "seqlen_k"),
     "score_bound": ("batch", "head"),
+    "distance_slopes": ("batch", "head"),
 }
+DISTANCE_SLOPES_KEYS = ("before", "after")
 KV_RANGE_KEYS = ("lo", "hi", "full_lo", "full_hi")
 # `mods.block_sparse: true` adds these kernel arguments after the mod args: a block mask's lists
 # for the kernel's tile (kernelgen/blockmask.py). Row r = batch * bm_stride_b + head * bm_stride_h
@@ -205,6 +207,14 @@ class Mods:
     # subtracts each row's running max, when exp(-2 B) stays in the 16-bit type's normal range:
     # no row max, no rescale of O (PERF_NOTES §41). Otherwise the online softmax, as without it.
     score_bound: CExpr | None = None
+    # distance_slopes (before, after): functions of the mod args, batch and head with
+    # score_mod(s) = s + slope * d for the key's distance d = kv_idx - q_idx - (seqlen_k -
+    # seqlen_q) from the diagonal, slope `before` where d <= 0 and `after` where d >= 0 (ALiBi:
+    # slopes[head] and -slopes[head]). The Hopper forward then adds one value per key column on
+    # a block wholly on one side of its rows' diagonal, and takes the rows' terms out of the
+    # softmax (back into the LSE), instead of evaluating score_mod per score (PERF_NOTES §45).
+    # Elsewhere (blocks across the diagonal, the other kernels) score_mod runs as it is.
+    distance_slopes: tuple[CExpr, CExpr] | None = None
 
     @property
     def any(self) -> bool:
@@ -649,6 +659,16 @@ def _mods(value, text: bytes, at: _At, names: _Names, params) -> Mods:
         raise at["score_mod_grad"].error("a derivative without a score_mod")
     if "score_bound" in found and "score_mod" not in found:
         raise at["score_bound"].error("a bound on the scores of a score_mod; this spec has none")
+    slopes = None
+    if "distance_slopes" in body:
+        given = _keys(body["distance_slopes"], at["distance_slopes"], DISTANCE_SLOPES_KEYS)
+        slopes = tuple(check("distance_slopes", given[k], "distance_slopes", k)
+                       for k in DISTANCE_SLOPES_KEYS)
+        if "score_mod" not in found:
+            raise at["distance_slopes"].error("the slopes of a score_mod's bias; this spec has none")
+        if "score_bound" in found:
+            raise at["distance_slopes"].error("a score_mod with a score_bound subtracts the bound, "
+                                              "not a max the slopes could shift; give one of the two")
     kv_range, exact = None, False
     if "kv_range" in body:
         bounds = _keys(body["kv_range"], at["kv_range"], KV_RANGE_KEYS, ("exact",))
@@ -669,7 +689,7 @@ def _mods(value, text: bytes, at: _At, names: _Names, params) -> Mods:
         for arg in BLOCK_SPARSE_ARGS:
             names.define(arg.name, at["block_sparse"])
     return Mods(found.get("score_mod"), found.get("score_mod_grad"), found.get("mask_mod"),
-                kv_range, args, block_sparse, exact, found.get("score_bound"))
+                kv_range, args, block_sparse, exact, found.get("score_bound"), slopes)
 
 
 def _derived(value, at: _At, names: _Names) -> tuple[tuple[str, Expr], ...]:

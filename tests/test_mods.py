@@ -146,6 +146,48 @@ def test_softcap_bounds_its_scores_on_the_hopper_forward():
     assert load_spec("flash_attn_alibi").mods.score_bound is None
 
 
+@pytest.mark.parametrize("body, slopes, match", [
+    ('mask_mod: "kv_idx <= q_idx"', '{before: "s", after: "-s"}', "the slopes of a score_mod's bias"),
+    ('score_mod: "score - s * fabsf((float)(q_idx - kv_idx))"', '{before: "s * q_idx", after: "-s"}',
+     "name 'q_idx' is not defined here"),
+    ('score_mod: "score - s * fabsf((float)(q_idx - kv_idx))"', '{before: "s"}', "missing required key"),
+    ('score_mod: "score - s * fabsf((float)(q_idx - kv_idx))"',
+     '{before: "s", after: "-s", left: "s"}', "unknown key"),
+    ('score_mod: "score - s * fabsf((float)(q_idx - kv_idx))"\n          score_bound: "s"',
+     '{before: "s", after: "-s"}', "give one of the two"),
+])
+def test_distance_slopes_are_checked(tmp_path, body, slopes, match):
+    """Slopes describe a score_mod (so need one), are functions of the mod args, batch and head,
+    name both sides, and exclude a score_bound (whose kernel takes no row max to shift)."""
+    path = write(tmp_path, f"""
+        name: my_attention
+        extends: flash_attn_fwd
+        mods:
+          args:
+            - {{name: s, type: f32}}
+          {body}
+          distance_slopes: {slopes}
+        """)
+    with pytest.raises(SpecError, match=match):
+        load_spec(path)
+
+
+def test_alibi_gives_its_slopes_to_the_hopper_forward():
+    """ALiBi's distance_slopes reach the Hopper kernel (DistanceBias); the sm80 family renders
+    them unused, and the other shipped specs have none."""
+    alibi = load_spec("flash_attn_alibi", onto="flash_attn_fwd_sm90")
+    before, after = alibi.mods.distance_slopes
+    assert after.text == "-" + before.text == "-alibi_slopes[batch * alibi_stride_b + head]"
+    variant = alibi.variant("sm_90a", head_dim=128, dtype="bf16", causal=False)
+    text = render.render(alibi, variant, alibi.default_config(variant)).text
+    assert "kDistanceSlopes = true;" in text and f"return ({after.text});" in text
+    softcap = load_spec("flash_attn_softcap", onto="flash_attn_fwd_sm90")
+    assert softcap.mods.distance_slopes is None
+    variant = softcap.variant("sm_90a", head_dim=128, dtype="bf16", causal=False)
+    assert "kDistanceSlopes = false;" in render.render(
+        softcap, variant, softcap.default_config(variant)).text
+
+
 def test_unknown_name_lists_what_may_be_used(tmp_path):
     path = write(tmp_path, """
         name: my_attention

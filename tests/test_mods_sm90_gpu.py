@@ -111,6 +111,28 @@ def test_alibi(per_batch, config):
                   score_mod=lambda s, bb, hh, i, j: s - s4 * (i + sk - sq - j).abs().float())
 
 
+# ALiBi's distance_slopes: blocks wholly before or after their rows' diagonal take a term per key
+# column and shift their rows in the softmax (the LSE takes the shift back out); blocks across it
+# run the score_mod. Long and unequal lengths put most blocks on one side, far from the diagonal
+# (scores thousands of slopes below it), and slopes from 2^-8 to 1 span the heads of real models.
+@pytest.mark.parametrize("config", [None, DYNAMIC], ids=["default", "dynamic"])
+@pytest.mark.parametrize("head_dim, dtype", [(128, torch.bfloat16), (128, torch.float16),
+                                             (64, torch.bfloat16), (256, torch.float16)])
+def test_alibi_far_from_the_diagonal(head_dim, dtype, config):
+    torch.manual_seed(head_dim)
+    if config is not None and head_dim == 256:
+        config = {**config, "block_n": 64, "schedule": 1, "q_buffers": 1}
+    heads = 4
+    slopes = torch.tensor([1.0, 2 ** -2, 2 ** -5, 2 ** -8], device="cuda")
+    for sq, sk in [(2048, 2048), (1000, 3000), (3000, 1000)]:
+        q = rand(1, sq, heads, head_dim, dtype=dtype)
+        k, v = rand(1, sk, heads, head_dim, dtype=dtype), rand(1, sk, heads, head_dim, dtype=dtype)
+        for causal in (False, True):
+            got = run("flash_attn_alibi", q, k, v, causal, (slopes.data_ptr(), 0), config)
+            check(got, q, k, v, causal, score_mod=lambda s, bb, hh, i, j:
+                  s - slopes.view(1, heads, 1, 1) * (i + sk - sq - j).abs().float())
+
+
 @pytest.mark.parametrize("config", [None, PERSISTENT, DYNAMIC], ids=["default", "persistent", "dynamic"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_document_mask(causal, config):

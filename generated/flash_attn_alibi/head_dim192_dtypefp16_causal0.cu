@@ -33,6 +33,9 @@ struct Mods {
     static constexpr bool kRangeReadsMemory = false;
     // Whether score_bound() bounds |score_mod| (the Hopper forward may skip the running max).
     static constexpr bool kScoreBound = false;
+    // Whether slope_before() / slope_after() give score_mod as a bias linear in the key's
+    // distance from the diagonal (the Hopper forward's DistanceBias).
+    static constexpr bool kDistanceSlopes = true;
     __device__ __forceinline__ kg::SparseRow sparse_row(int, int, int) const {
         return kg::SparseRow{nullptr, nullptr, 0, 0};  // no block mask: never called
     }
@@ -45,10 +48,20 @@ struct Mods {
         [[maybe_unused]] const float score = qk * softmax_scale;
 #line 11 "specs/flash_attn_alibi.yaml"
         return (score - alibi_slopes[batch * alibi_stride_b + head] * fabsf((float)(q_idx + seqlen_k - seqlen_q - kv_idx)));
-#line 47 "flash_attn_alibi__head_dim192_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+#line 50 "flash_attn_alibi__head_dim192_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ float score_bound(int batch, int head) const {
         return 0.0f;
+    }
+    __device__ __forceinline__ float slope_before(int batch, int head) const {
+#line 19 "specs/flash_attn_alibi.yaml"
+        return (alibi_slopes[batch * alibi_stride_b + head]);
+#line 58 "flash_attn_alibi__head_dim192_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+    }
+    __device__ __forceinline__ float slope_after(int batch, int head) const {
+#line 20 "specs/flash_attn_alibi.yaml"
+        return (-alibi_slopes[batch * alibi_stride_b + head]);
+#line 63 "flash_attn_alibi__head_dim192_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ bool mask_mod(int batch, int head, int q_idx, int kv_idx,
                                              int seqlen_q, int seqlen_k) const {

@@ -40,6 +40,9 @@ struct Mods {
     static constexpr bool kRangeReadsMemory = false;
     // Whether score_bound() bounds |score_mod| (the Hopper forward may skip the running max).
     static constexpr bool kScoreBound = false;
+    // Whether slope_before() / slope_after() give score_mod as a bias linear in the key's
+    // distance from the diagonal (the Hopper forward's DistanceBias).
+    static constexpr bool kDistanceSlopes = false;
 
     // The block mask's lists of one row (kernelgen/blockmask.py): the blocks `block` of (batch,
     // head) meets, partially visible ones first (mask_mod per element), then fully visible ones.
@@ -61,11 +64,17 @@ struct Mods {
     __device__ __forceinline__ float score_bound(int batch, int head) const {
         return 0.0f;
     }
+    __device__ __forceinline__ float slope_before(int batch, int head) const {
+        return 0.0f;
+    }
+    __device__ __forceinline__ float slope_after(int batch, int head) const {
+        return 0.0f;
+    }
     __device__ __forceinline__ bool mask_mod(int batch, int head, int q_idx, int kv_idx,
                                              int seqlen_q, int seqlen_k) const {
 #line 12 "specs/flash_attn_document.yaml"
         return (doc_q[batch * seqlen_q + q_idx] == doc_k[batch * seqlen_k + kv_idx]);
-#line 67 "flash_attn_document__head_dim96_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 76 "flash_attn_document__head_dim96_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int kv_lo(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {

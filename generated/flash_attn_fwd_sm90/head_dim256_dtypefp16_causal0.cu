@@ -112,6 +112,9 @@ struct Mods {
     static constexpr bool kRangeReadsMemory = false;
     // Whether score_bound() bounds |score_mod| (the Hopper forward may skip the running max).
     static constexpr bool kScoreBound = false;
+    // Whether slope_before() / slope_after() give score_mod as a bias linear in the key's
+    // distance from the diagonal (the Hopper forward's DistanceBias).
+    static constexpr bool kDistanceSlopes = false;
     __device__ __forceinline__ kg::SparseRow sparse_row(int, int, int) const {
         return kg::SparseRow{nullptr, nullptr, 0, 0};  // no block mask: never called
     }
@@ -125,6 +128,12 @@ struct Mods {
         return score;
     }
     __device__ __forceinline__ float score_bound(int batch, int head) const {
+        return 0.0f;
+    }
+    __device__ __forceinline__ float slope_before(int batch, int head) const {
+        return 0.0f;
+    }
+    __device__ __forceinline__ float slope_after(int batch, int head) const {
         return 0.0f;
     }
     __device__ __forceinline__ bool mask_mod(int batch, int head, int q_idx, int kv_idx,

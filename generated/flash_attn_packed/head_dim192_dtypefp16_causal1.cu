@@ -33,6 +33,9 @@ struct Mods {
     static constexpr bool kRangeReadsMemory = true;
     // Whether score_bound() bounds |score_mod| (the Hopper forward may skip the running max).
     static constexpr bool kScoreBound = false;
+    // Whether slope_before() / slope_after() give score_mod as a bias linear in the key's
+    // distance from the diagonal (the Hopper forward's DistanceBias).
+    static constexpr bool kDistanceSlopes = false;
     __device__ __forceinline__ kg::SparseRow sparse_row(int, int, int) const {
         return kg::SparseRow{nullptr, nullptr, 0, 0};  // no block mask: never called
     }
@@ -48,35 +51,41 @@ struct Mods {
     __device__ __forceinline__ float score_bound(int batch, int head) const {
         return 0.0f;
     }
+    __device__ __forceinline__ float slope_before(int batch, int head) const {
+        return 0.0f;
+    }
+    __device__ __forceinline__ float slope_after(int batch, int head) const {
+        return 0.0f;
+    }
     __device__ __forceinline__ bool mask_mod(int batch, int head, int q_idx, int kv_idx,
                                              int seqlen_q, int seqlen_k) const {
 #line 17 "specs/flash_attn_packed.yaml"
         return (kv_idx >= doc_start[batch * seqlen_q + q_idx] && kv_idx < doc_end[batch * seqlen_q + q_idx]);
-#line 54 "flash_attn_packed__head_dim192_dtypefp16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+#line 63 "flash_attn_packed__head_dim192_dtypefp16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int kv_lo(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 21 "specs/flash_attn_packed.yaml"
         return (doc_start[batch * seqlen_q + q_first]);
-#line 60 "flash_attn_packed__head_dim192_dtypefp16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+#line 69 "flash_attn_packed__head_dim192_dtypefp16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int kv_hi(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 22 "specs/flash_attn_packed.yaml"
         return (doc_end[batch * seqlen_q + q_last]);
-#line 66 "flash_attn_packed__head_dim192_dtypefp16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+#line 75 "flash_attn_packed__head_dim192_dtypefp16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int full_lo(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 23 "specs/flash_attn_packed.yaml"
         return (doc_start[batch * seqlen_q + q_last]);
-#line 72 "flash_attn_packed__head_dim192_dtypefp16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+#line 81 "flash_attn_packed__head_dim192_dtypefp16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int full_hi(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 24 "specs/flash_attn_packed.yaml"
         return (doc_end[batch * seqlen_q + q_first]);
-#line 78 "flash_attn_packed__head_dim192_dtypefp16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+#line 87 "flash_attn_packed__head_dim192_dtypefp16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
 };
 

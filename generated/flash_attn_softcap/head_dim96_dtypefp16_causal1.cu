@@ -32,6 +32,9 @@ struct Mods {
     static constexpr bool kRangeReadsMemory = false;
     // Whether score_bound() bounds |score_mod| (the Hopper forward may skip the running max).
     static constexpr bool kScoreBound = true;
+    // Whether slope_before() / slope_after() give score_mod as a bias linear in the key's
+    // distance from the diagonal (the Hopper forward's DistanceBias).
+    static constexpr bool kDistanceSlopes = false;
     __device__ __forceinline__ kg::SparseRow sparse_row(int, int, int) const {
         return kg::SparseRow{nullptr, nullptr, 0, 0};  // no block mask: never called
     }
@@ -44,12 +47,18 @@ struct Mods {
         [[maybe_unused]] const float score = qk * softmax_scale;
 #line 12 "specs/flash_attn_softcap.yaml"
         return (softcap * tanh_approx(qk * (softmax_scale / softcap)));
-#line 46 "flash_attn_softcap__head_dim96_dtypefp16_causal1__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 49 "flash_attn_softcap__head_dim96_dtypefp16_causal1__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ float score_bound(int batch, int head) const {
 #line 19 "specs/flash_attn_softcap.yaml"
         return (fabsf(softcap));
-#line 51 "flash_attn_softcap__head_dim96_dtypefp16_causal1__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 54 "flash_attn_softcap__head_dim96_dtypefp16_causal1__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+    }
+    __device__ __forceinline__ float slope_before(int batch, int head) const {
+        return 0.0f;
+    }
+    __device__ __forceinline__ float slope_after(int batch, int head) const {
+        return 0.0f;
     }
     __device__ __forceinline__ bool mask_mod(int batch, int head, int q_idx, int kv_idx,
                                              int seqlen_q, int seqlen_k) const {

@@ -110,13 +110,15 @@ struct SparseRow {
 struct NoMods {
     static constexpr bool kScoreMod = false, kMaskMod = false, kKvRange = false;
     static constexpr bool kBlockSparse = false, kClampIndices = false, kExactRange = false;
-    static constexpr bool kRangeReadsMemory = false, kScoreBound = false;
+    static constexpr bool kRangeReadsMemory = false, kScoreBound = false, kDistanceSlopes = false;
     __device__ SparseRow sparse_row(int, int, int) const { return SparseRow{nullptr, nullptr, 0, 0}; }
     __device__ float score_mod(float qk, float scale, int, int, int, int, int, int) const {
         return qk * scale;
     }
     __device__ bool mask_mod(int, int, int, int, int, int) const { return true; }
     __device__ float score_bound(int, int) const { return 0.f; }
+    __device__ float slope_before(int, int) const { return 0.f; }
+    __device__ float slope_after(int, int) const { return 0.f; }
     __device__ int kv_lo(int, int, int, int, int, int) const { return 0; }
     __device__ int kv_hi(int, int, int, int, int, int) const { return 1 << 30; }
     __device__ int full_lo(int, int, int, int, int, int) const { return 0; }

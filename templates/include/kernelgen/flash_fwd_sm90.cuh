@@ -273,6 +273,11 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     };
     const int wg_row0 = row0 + wg * 64;
     const int lane_row = wg_row0 + warp * 16 + lane / 4;  // this thread's rows: lane_row, +8
+    // A distance bias (mods.distance_slopes): per-column terms on one-sided blocks, the rows'
+    // terms as the softmax's shifts (`shift`, set with each block's scores).
+    const DistanceBias bias = distance_bias(mods, w.batch, w.head, wg_row0, lane_row,
+                                            a.seqlen_k - a.seqlen_q);
+    float shift[2] = {0.f, 0.f};
     FullRange full{0, 1 << 30};
     if constexpr (Mods::kMaskMod && Mods::kKvRange && !Mods::kBlockSparse)
         full = full_range<C>(a, mods, w, wg_row0);
@@ -295,8 +300,15 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         fence_operands(acc_s);
         release_kv_slot<C>(bar.empty_k(stage(i)), lane);
         const int c0 = block_col0(i, early);
-        if constexpr (Mods::kScoreMod) modify_scores<C>(acc_s, a, mods, w, c0, lane_row);
+        if constexpr (Mods::kDistanceSlopes)
+            bias_scores<C>(acc_s, shift, a, mods, bias, w, c0, lane_row);
+        else if constexpr (Mods::kScoreMod)
+            modify_scores<C>(acc_s, a, mods, w, c0, lane_row);
         mask_scores<C>(acc_s, a, mods, w, bits, c0, wg_row0, lane_row);
+    };
+    const auto softmax = [&](float (&alpha_out)[2]) {
+        softmax_step<C, Mods::kDistanceSlopes>(acc_s, row_max, row_sum, scale_log2, alpha_out,
+                                               fixed, shift);
     };
     const auto fence_pv_operands = [&] {
         fence_operands(acc_o);
@@ -328,7 +340,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             const ModBits<C> bits = mask_bits(i, c0);  // loads run while the QK^T does
             wgmma_wait<0>();
             finish_qk(i, c0, bits);
-            softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha, fixed);
+            softmax(alpha);
             if (i == 0) release_previous_q();
             rescale(alpha);
             pack_p<C>(p, acc_s);
@@ -357,7 +369,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         wgmma_wait<0>();
         finish_qk(0, c00, bits0);
         // O is 0: alpha unused
-        softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha, fixed);
+        softmax(alpha);
         release_previous_q();
         pack_p<C>(p, acc_s);
         for (int i = 1; i < n_blocks; ++i) {
@@ -375,7 +387,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             const ModBits<C> bits = mask_bits(i, c0);
             wgmma_wait<1>();  // S done, P V still running: p and acc_o stay untouched
             finish_qk(i, c0, bits);
-            softmax_step<C>(acc_s, row_max, row_sum, scale_log2, alpha, fixed);
+            softmax(alpha);
             wgmma_wait<0>();
             fence_operands(acc_o);
             release_kv_slot<C>(bar.empty_v(stage(i - 1)), lane);
@@ -414,8 +426,11 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         const bool empty = !(l > 0.f);
         const float inv = empty ? 0.f : 1.f / l;
         const int r = wg * 64 + warp * 16 + lane / 4 + 8 * h;  // row inside the tile
-        if (lane % 4 == 0 && r < q_rows)
-            lse[r] = empty ? neg_inf() : (row_max[h] * scale_log2 + log2_approx(l)) * kLn2;
+        if (lane % 4 == 0 && r < q_rows) {
+            float row_lse = empty ? neg_inf() : (row_max[h] * scale_log2 + log2_approx(l)) * kLn2;
+            if constexpr (Mods::kDistanceSlopes) row_lse -= bias.rho[h];  // the rows' shift
+            lse[r] = row_lse;
+        }
         #pragma unroll
         for (int i = 0; i < C::kHeadDim / 8; ++i)
             *reinterpret_cast<u32*>(q_tile + panel_offset<C>(C::kBlockM, r, i * 8 + 2 * (lane % 4))) =

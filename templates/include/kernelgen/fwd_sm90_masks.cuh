@@ -55,6 +55,71 @@ __device__ __forceinline__ void modify_scores(float (&acc_s)[C::kBlockN / 2],
                 mod_index<Mods>(lane_col + i * 8 + (e & 1), a.seqlen_k), a.seqlen_q, a.seqlen_k);
 }
 
+// A score_mod that is a bias linear in the key's distance d = kv_idx - (q_idx + seqlen_k -
+// seqlen_q) from the diagonal, slope `before` where d <= 0 and `after` where d >= 0
+// (mods.distance_slopes; ALiBi). With ref = the diagonal key of the warpgroup's first row,
+// slope * d = slope * (kv_idx - ref) - slope * (q_idx + seqlen_k - seqlen_q - ref): a term per
+// key column, which a thread's two rows share, and a term per row. On a block wholly on one side
+// of every row's diagonal, a score is then one FFMA (qk * scale + the column's term, one FFMA per
+// column) where score_mod costs an integer distance, a convert and an FFMA after the scale's
+// multiply; the rows' terms become shifts of the rows in the softmax (its max and exp2's offset,
+// a few instructions per row and block). Every block keeps its rows' scores as s + rho, rho the
+// `before` row term, whatever side it is on; the epilogue takes rho back out of the LSE.
+struct DistanceBias {
+    float before, after;  // the slopes, in score units
+    float rho[2];         // this thread's rows: before * (row - wg_row0); the LSE subtracts it
+    float delta[2];       // (before - after) * (row - wg_row0): an `after` block's row shift
+    int ref;              // wg_row0 + seqlen_k - seqlen_q
+};
+
+template <class Mods>
+__device__ __forceinline__ DistanceBias distance_bias(const Mods& mods, int batch, int head,
+                                                      int wg_row0, int lane_row, int diag_off) {
+    DistanceBias b;
+    if constexpr (Mods::kDistanceSlopes) {
+        b.before = mods.slope_before(batch, head);
+        b.after = mods.slope_after(batch, head);
+        b.ref = wg_row0 + diag_off;
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float rel = float(lane_row + 8 * h - wg_row0);  // 0..63: small, exact
+            b.rho[h] = b.before * rel;
+            b.delta[h] = (b.before - b.after) * rel;
+        }
+    }
+    return b;
+}
+
+// The scores of one block with the distance bias, and the rows' shifts for softmax_step: on one
+// side of the diagonal, qk * scale + slope * (kv_idx - ref) (shift 0 before, delta after);
+// across it, score_mod itself, shifted by rho. Keys past the block's columns' ref stay small
+// where they matter: a score far from the diagonal is far below the row's max (its p is 0).
+template <class C, class Mods>
+__device__ __forceinline__ void bias_scores(float (&acc_s)[C::kBlockN / 2], float (&shift)[2],
+                                            const FwdArgs<typename C::Elem>& a, const Mods& mods,
+                                            const DistanceBias& b, const TileWork& w, int col0,
+                                            int lane_row) {
+    const bool before = col0 + C::kBlockN - 1 <= b.ref, after = col0 >= b.ref + 63;
+    if (!before && !after) {
+        modify_scores<C>(acc_s, a, mods, w, col0, lane_row);
+        shift[0] = b.rho[0];
+        shift[1] = b.rho[1];
+        return;
+    }
+    const float slope = before ? b.before : b.after;
+    shift[0] = before ? 0.f : b.delta[0];
+    shift[1] = before ? 0.f : b.delta[1];
+    const int lane_col = col0 + 2 * int(threadIdx.x % 4);  // int: col0 - ref may be negative
+    const float base = slope * float(lane_col - b.ref);
+    #pragma unroll
+    for (int i = 0; i < C::kBlockN / 8; ++i)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float column = fmaf(slope, float(i * 8 + (e & 1)), base);  // one per column
+            acc_s[4 * i + e] = fmaf(acc_s[4 * i + e], a.softmax_scale, column);
+        }
+}
+
 // Which blocks evaluate the mask_mod per element: all of them, or with a block mask only its
 // partially visible blocks (the first w.sparse.n_partial of the tile's visiting order; `block` is
 // this one's index in it), or with a kv range the blocks not inside the full range.

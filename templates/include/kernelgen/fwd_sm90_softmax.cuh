@@ -16,11 +16,14 @@ template <> struct MaxScoreBound<half_t> { static constexpr float value = 4.5f; 
 // flash_fwd_sm80.cuh: new running max, alpha = exp2((m_old - m_new) * c) for O and l, and
 // S -> P = exp2(S * c - m_new * c) in place (fp32). `fixed` (a bounded score_mod, uniform over
 // the tile): row_max holds the bound B for good, so P = exp2(S * c - B * c), alpha = 1 and no max
-// is taken; the caller then skips O's rescale.
-template <class C>
+// is taken; the caller then skips O's rescale. kShift: row h's scores are acc_s + shift[h] (a
+// distance bias's row terms, DistanceBias), added to the row's max and exp2's offset rather
+// than to each score.
+template <class C, bool kShift = false>
 __device__ __forceinline__ void softmax_step(float (&acc_s)[C::kBlockN / 2], float (&row_max)[2],
                                              float (&row_sum)[2], float scale_log2,
-                                             float (&alpha)[2], bool fixed = false) {
+                                             float (&alpha)[2], bool fixed = false,
+                                             const float (&shift)[2] = {0.f, 0.f}) {
     // A row's max over this thread's block_n / 4 scores runs as kParts independent chains and
     // then a tree: one chain of dependent FMNMX made every exp2 wait out block_n / 8 FMNMX
     // latencies (PERF_NOTES §30: hd64 +1-5% at >= 4k). The sum stays one chain: it runs behind
@@ -41,6 +44,7 @@ __device__ __forceinline__ void softmax_step(float (&acc_s)[C::kBlockN / 2], flo
                 part[i % kParts] = i < kParts ? pair : fmaxf(part[i % kParts], pair);
             }
             float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
+            if constexpr (kShift) mx += shift[h];
             mx = fmaxf(mx, row_max[h]);
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
@@ -50,13 +54,14 @@ __device__ __forceinline__ void softmax_step(float (&acc_s)[C::kBlockN / 2], flo
             alpha[h] = exp2_approx(row_max[h] * scale_log2 - m_scaled);
             row_max[h] = mx;
         }
+        const float offset = kShift ? fmaf(shift[h], scale_log2, -m_scaled) : -m_scaled;
         float sum = 0.f;
         #pragma unroll
         for (int i = 0; i < kPairs; ++i)
             #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 float& x = acc_s[4 * i + 2 * h + j];
-                x = exp2_approx(fmaf(x, scale_log2, -m_scaled));
+                x = exp2_approx(fmaf(x, scale_log2, offset));
                 if constexpr (!C::kSumMma) sum += x;  // else the P V wgmma sums P
             }
         if constexpr (!C::kSumMma)
