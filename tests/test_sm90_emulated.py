@@ -45,11 +45,12 @@ def emulated_wgmma(text: str) -> str:
 
 
 def forward(q, k, v, causal, config=None, seed=0, lazy=False, spec=SPEC, mod_args=None, out=None,
-            l2_bytes=None):
+            l2_bytes=None, tail_div=None):
     """The emulated kernel of `spec` (this family, or a mods spec put onto it), with the mod
     arguments `mod_args` by name (tensors for `ptr`); returns (out, lse). `out`: where O goes
     (default: a fresh NaN-filled tensor like q). `l2_bytes`: the persistent causal schedule's
-    section budget (KG_L2_SECTION_BYTES), small enough to give these shapes several sections."""
+    section budget (KG_L2_SECTION_BYTES), small enough to give these shapes several sections;
+    `tail_div`: KG_TAIL_RANKS_DIV, small enough that the short ranks leave them (tile_order.cuh)."""
     head_dim = q.shape[-1]
     variant = spec.variant(head_dim=head_dim, dtype=NAMES[q.dtype], causal=causal)
     config = spec.default_config(variant) if config is None else spec.parse_config(config)
@@ -73,6 +74,7 @@ def forward(q, k, v, causal, config=None, seed=0, lazy=False, spec=SPEC, mod_arg
                 seqlen_q=seqlen_q, seqlen_k=k.shape[1], softmax_scale=1 / math.sqrt(head_dim),
                 tile_counter=counter, **strides, **maps, **(mod_args or {}))
     define = "" if l2_bytes is None else f"#define KG_L2_SECTION_BYTES {l2_bytes}\n"
+    define += "" if tail_div is None else f"#define KG_TAIL_RANKS_DIV {tail_div}\n"
     emulate.run(spec, variant, config, args, seed=seed, defer=lazy,
                 transform=lambda text: define + emulated_wgmma(text))
     return out, lse

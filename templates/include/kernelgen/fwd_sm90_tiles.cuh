@@ -70,7 +70,14 @@ struct TileSchedule {
                                 blockIdx.y, blockIdx.z);
         int m_block, hb;
         if constexpr (C::kCausal) {
-            const SectionItem item = section_item(t, count / m_blocks, m_blocks, section);
+            // With a kv range or a block mask a tile's rank (its position) only bounds its work:
+            // the shortest ranks run after the sections (tile_order.cuh).
+            SectionItem item;
+            if constexpr (Mods::kKvRange || Mods::kBlockSparse)
+                item = section_item(t, count / m_blocks, m_blocks, section,
+                                    m_blocks / KG_TAIL_RANKS_DIV);
+            else
+                item = section_item(t, count / m_blocks, m_blocks, section);
             m_block = m_blocks - 1 - item.rank;
             hb = item.pair;
         } else {

@@ -17,6 +17,11 @@
 #ifndef KG_L2_SECTION_BYTES
 #define KG_L2_SECTION_BYTES (12ll << 20)
 #endif
+// The shortest ranks kept out of the sections (section_item's `tail`): m_blocks / this many.
+// A macro for the same reason as the section budget.
+#ifndef KG_TAIL_RANKS_DIV
+#define KG_TAIL_RANKS_DIV 8
+#endif
 
 namespace kg {
 
@@ -40,6 +45,22 @@ __device__ __forceinline__ SectionItem section_item(int t, int pairs, int ranks,
     const int first = t / per_section * section, u = t % per_section;
     const int in_section = min(section, pairs - first);
     return SectionItem{u / in_section, first + u % in_section};
+}
+
+// section_item with the last `tail` ranks (the shortest tiles) taken out of the sections and
+// run after all of them, rank by rank over every pair. Where a tile's rank only bounds its work
+// (documents: a tile's keys are its rows' documents, not every key up to its diagonal), the last
+// section still holds long tiles, which CTAs claim while the others run out of work: the
+// dynamic schedule simulated on the bench's documents (128-row tiles, 132 CTAs) reached 0.88 of
+// a perfect balance at 16k tokens x 1 (one pair per section) and 0.96 at 4k x 4; with the
+// last eighth of the ranks over every pair, 0.97 and 0.99 (PERF_NOTES §46). Those short tiles
+// read few K and V blocks, so leaving their sections costs little L2 traffic.
+__device__ __forceinline__ SectionItem section_item(int t, int pairs, int ranks, int section,
+                                                   int tail) {
+    const int sectioned = pairs * (ranks - tail);
+    if (t >= sectioned) return SectionItem{ranks - tail + (t - sectioned) / pairs,
+                                           (t - sectioned) % pairs};
+    return section_item(t, pairs, ranks - tail, section);
 }
 
 }  // namespace kg

@@ -1,0 +1,75 @@
+"""Simulate the Hopper forward's dynamic persistent schedule (greedy claims by the SMs' CTAs) on
+the bench's documents or the plain causal mask: each tile costs its KV blocks + `overhead`, and
+the balance is the ideal time (all work / CTAs) over the makespan. Compares the persistent causal
+order of sections (tile_order.cuh) with the short ranks left in them (tail 0) and taken out.
+
+    python tools/schedule_sim.py [--ctas 132] [--overhead 1.0] [--head-dim 128]
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import math
+
+from kernelgen import bench_mods
+
+BLOCK = 128  # block_m = block_n: the packed spec's tuned causal tiles
+
+
+def makespan(costs, ctas: int) -> float:
+    free = [0.0] * ctas
+    for cost in costs:
+        heapq.heappush(free, heapq.heappop(free) + cost)
+    return max(free)
+
+
+def document_work(seqlen: int, batch: int) -> list[list[int]]:
+    """KV blocks of each causal query tile of the bench's documents (as its varlen/packed rows)."""
+    work = []
+    for row in bench_mods.document_lengths(batch, seqlen, max(2, seqlen // 1024), seed=seqlen):
+        span, start = [], 0  # each token's document, [start, end)
+        for length in row:
+            span += [(start, start + length)] * length
+            start += length
+        tiles = []
+        for m in range(math.ceil(seqlen / BLOCK)):
+            first, last = m * BLOCK, min(seqlen, m * BLOCK + BLOCK) - 1
+            lo, hi = span[first][0], min(span[last][1], last + 1)
+            tiles.append(math.ceil(hi / BLOCK) - lo // BLOCK)
+        work.append(tiles)
+    return work
+
+
+def causal_order(work, heads: int, section: int, tail: int) -> list[int]:
+    """Tile costs in claim order: sections of `section` pairs, rank by rank (longest position
+    first), the last `tail` ranks after all sections over every pair."""
+    ranks = len(work[0])
+    pairs = [b for b in range(len(work)) for _ in range(heads)]
+    order = [work[b][ranks - 1 - r] for first in range(0, len(pairs), section)
+             for r in range(ranks - tail) for b in pairs[first:first + section]]
+    return order + [work[b][ranks - 1 - r] for r in range(ranks - tail, ranks) for b in pairs]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ctas", type=int, default=132)
+    p.add_argument("--overhead", type=float, default=1.0)
+    p.add_argument("--head-dim", type=int, default=128)
+    opts = p.parse_args()
+    heads = 2048 // opts.head_dim
+    print(f"{'case':24} " + " ".join(f"tail m/{d}" if d else "tail 0  " for d in (0, 16, 8, 4)))
+    for seqlen in (4096, 8192, 16384):
+        batch = 16384 // seqlen
+        plain = [[math.ceil(min(seqlen, m * BLOCK + BLOCK) / BLOCK) for m in range(seqlen // BLOCK)]] * batch
+        for name, work in (("documents", document_work(seqlen, batch)), ("plain", plain)):
+            section = max(1, (12 << 20) // (4 * seqlen * opts.head_dim))
+            cells = []
+            for div in (0, 16, 8, 4):
+                costs = [c + opts.overhead for c in causal_order(work, heads, section,
+                                                                 len(work[0]) // div if div else 0)]
+                cells.append(f"{sum(costs) / opts.ctas / makespan(costs, opts.ctas):8.3f}")
+            print(f"{name:9} {seqlen:>5} x {batch:<2}      " + " ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
