@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -211,6 +212,44 @@ def test_persistent_causal_sections(q_buffers, persistent):
         check(q, k, v, True, config={"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2,
                                      "persistent": persistent, "q_buffers": q_buffers},
               seed=heads, lazy=q_buffers == 2, l2_bytes=budget_heads * 4 * 270 * 64)
+
+
+def test_section_order_is_a_permutation(tmp_path):
+    """tile_order.cuh's section_item, compiled with g++ as the kernels include it: for pair,
+    rank, section and tail counts the schedules meet (one section, sections with a short last
+    one, no tail, every rank a tail), the items t < pairs * ranks are every (rank, pair) once;
+    each section's pairs are its own until the tail, and the tail runs its ranks in order."""
+    source = tmp_path / "order.cpp"
+    source.write_text(r"""
+#include "cuda_emu.h"
+#include "kernelgen/tile_order.cuh"
+int main() {
+    for (int pairs = 1; pairs <= 13; ++pairs)
+    for (int ranks = 1; ranks <= 9; ++ranks)
+    for (int section = 1; section <= pairs + 1; ++section)
+    for (int tail = 0; tail <= ranks; ++tail) {
+        std::vector<int> seen(pairs * ranks, 0);
+        int last_tail_rank = -1;
+        for (int t = 0; t < pairs * ranks; ++t) {
+            const kg::SectionItem it = tail ? kg::section_item(t, pairs, ranks, section, tail)
+                                            : kg::section_item(t, pairs, ranks, section);
+            if (it.rank < 0 || it.rank >= ranks || it.pair < 0 || it.pair >= pairs) return 1;
+            if (seen[it.rank * pairs + it.pair]++) return 2;
+            const bool in_tail = t >= pairs * (ranks - tail);
+            if (in_tail != (it.rank >= ranks - tail)) return 3;
+            if (in_tail && it.rank < last_tail_rank) return 4;
+            if (in_tail) last_tail_rank = it.rank;
+            if (!in_tail && it.pair / section != t / (section * (ranks - tail))) return 5;
+        }
+    }
+    return 0;
+}
+""")
+    binary = tmp_path / "order"
+    subprocess.run(["g++", "-std=c++17", "-O1", "-w", f"-I{emulate.HERE}",
+                    f"-I{emulate.HERE / 'include'}", f"-I{emulate.INCLUDE}", str(source), "-o",
+                    str(binary)], check=True, capture_output=True)
+    assert subprocess.run([str(binary)]).returncode == 0
 
 
 def test_strided_view_with_64b_swizzle():

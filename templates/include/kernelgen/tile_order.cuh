@@ -17,10 +17,12 @@
 #ifndef KG_L2_SECTION_BYTES
 #define KG_L2_SECTION_BYTES (12ll << 20)
 #endif
-// The shortest ranks kept out of the sections (section_item's `tail`): m_blocks / this many.
+// The shortest ranks kept out of the sections (section_item's `tail`): m_blocks / this many
+// (a quarter measured 1.5-5.6% faster than an eighth on packed and varlen causal, 0.7% slower on
+// the window's, PERF_NOTES §46).
 // A macro for the same reason as the section budget.
 #ifndef KG_TAIL_RANKS_DIV
-#define KG_TAIL_RANKS_DIV 8
+#define KG_TAIL_RANKS_DIV 4
 #endif
 
 namespace kg {
@@ -53,8 +55,9 @@ __device__ __forceinline__ SectionItem section_item(int t, int pairs, int ranks,
 // section still holds long tiles, which CTAs claim while the others run out of work: the
 // dynamic schedule simulated on the bench's documents (128-row tiles, 132 CTAs) reached 0.88 of
 // a perfect balance at 16k tokens x 1 (one pair per section) and 0.96 at 4k x 4; with the
-// last eighth of the ranks over every pair, 0.97 and 0.99 (PERF_NOTES §46). Those short tiles
-// read few K and V blocks, so leaving their sections costs little L2 traffic.
+// last quarter of the ranks over every pair, 0.99 and 0.99 (tools/schedule_sim.py; measured:
+// packed and varlen causal +1-6% at 4k and 16k over no tail, PERF_NOTES §46). Those short
+// tiles read few K and V blocks, so leaving their sections costs little L2 traffic.
 __device__ __forceinline__ SectionItem section_item(int t, int pairs, int ranks, int section,
                                                    int tail) {
     const int sectioned = pairs * (ranks - tail);
