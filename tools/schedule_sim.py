@@ -1,9 +1,11 @@
-"""Simulate the Hopper forward's dynamic persistent schedule (greedy claims by the SMs' CTAs) on
-the bench's documents or the plain causal mask: each tile costs its KV blocks + `overhead`, and
-the balance is the ideal time (all work / CTAs) over the makespan. Compares the persistent causal
+"""Simulate the Hopper forward's persistent schedules on the bench's documents or the plain
+causal mask: each tile costs its KV blocks + `overhead`, and the balance is the ideal time (all
+work / CTAs) over the makespan. Dynamic (greedy claims by the SMs' CTAs): the persistent causal
 order of sections (tile_order.cuh) with the short ranks left in them (tail 0) and taken out.
+--static: the static round robin (CTA c takes items c, c + CTAs, ...) against a zigzag (odd
+rounds reversed), on the plain causal mask at 512-8k for each head dim.
 
-    python tools/schedule_sim.py [--ctas 132] [--overhead 1.0] [--head-dim 128]
+    python tools/schedule_sim.py [--ctas 132] [--overhead 1.0] [--head-dim 128] [--static]
 """
 from __future__ import annotations
 
@@ -50,12 +52,42 @@ def causal_order(work, heads: int, section: int, tail: int) -> list[int]:
     return order + [work[b][ranks - 1 - r] for r in range(ranks - tail, ranks) for b in pairs]
 
 
+def static_makespan(costs, ctas: int, zigzag: bool = False) -> float:
+    """Item i of round r goes to CTA i % ctas, or with zigzag in odd rounds to CTA ctas - 1 - (i %
+    ctas): a short last round then falls to the CTAs that drew the previous round's short tiles.
+    (Reversing only the round's own items, n - 1 - c, hands it to the first CTAs again and
+    measured no better than straight round robin in this model.)"""
+    sums = [0.0] * ctas
+    for i, cost in enumerate(costs):
+        rnd, c = divmod(i, ctas)
+        sums[ctas - 1 - c if zigzag and rnd % 2 else c] += cost
+    return max(sums)
+
+
+def static_table(ctas: int, overhead: float) -> None:
+    print(f"{'plain causal':22} {'static':>7} {'zigzag':>7} {'dynamic':>8}")
+    for head_dim in (64, 128, 256):
+        for seqlen in (512, 1024, 2048, 4096, 8192):
+            batch = 16384 // seqlen
+            work = [[m + 1 for m in range(seqlen // BLOCK)]] * batch
+            section = max(1, (12 << 20) // (4 * seqlen * head_dim))
+            costs = [c + overhead for c in causal_order(work, 2048 // head_dim, section, 0)]
+            ideal = sum(costs) / ctas
+            print(f"hd{head_dim:<3} {seqlen:>5} x {batch:<2}        "
+                  f"{ideal / static_makespan(costs, ctas):7.3f} "
+                  f"{ideal / static_makespan(costs, ctas, zigzag=True):7.3f} "
+                  f"{ideal / makespan(costs, ctas):8.3f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ctas", type=int, default=132)
     p.add_argument("--overhead", type=float, default=1.0)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--static", action="store_true")
     opts = p.parse_args()
+    if opts.static:
+        return static_table(opts.ctas, opts.overhead)
     heads = 2048 // opts.head_dim
     print(f"{'case':24} " + " ".join(f"tail m/{d}" if d else "tail 0  " for d in (0, 16, 8, 4)))
     for seqlen in (4096, 8192, 16384):
