@@ -19,6 +19,19 @@ def write(tmp_path, body: str, name="my_attention"):
     return path
 
 
+def with_f32_arg(tmp_path, arg: str, *mods: str):
+    """A spec extending flash_attn_fwd whose mods have one f32 argument `arg` and the given
+    lines (each `key: value`)."""
+    lines = "".join(f"\n  {line}" for line in mods)
+    return write(tmp_path, f"""\
+name: my_attention
+extends: flash_attn_fwd
+mods:
+  args:
+    - {{name: {arg}, type: f32}}{lines}
+""")
+
+
 @pytest.mark.parametrize("text, match", [
     ("score * undefined_thing", "name 'undefined_thing' is not defined here"),
     ("system(score)", "function 'system' may not be used"),
@@ -123,17 +136,8 @@ def test_an_exact_range_needs_a_mask_mod_and_reaches_the_kernel(tmp_path):
 ])
 def test_score_bound_is_checked(tmp_path, body, bound, match):
     """A bound needs a score_mod, and is a function of the mod args, batch and head only."""
-    path = write(tmp_path, f"""
-        name: my_attention
-        extends: flash_attn_fwd
-        mods:
-          args:
-            - {{name: cap, type: f32}}
-          {body}
-          score_bound: "{bound}"
-        """)
     with pytest.raises(SpecError, match=match):
-        load_spec(path)
+        load_spec(with_f32_arg(tmp_path, "cap", body, f'score_bound: "{bound}"'))
 
 
 def test_softcap_bounds_its_scores_on_the_hopper_forward():
@@ -146,30 +150,21 @@ def test_softcap_bounds_its_scores_on_the_hopper_forward():
     assert load_spec("flash_attn_alibi").mods.score_bound is None
 
 
+ALIBI_LIKE = 'score_mod: "score - s * fabsf((float)(q_idx - kv_idx))"'
+
+
 @pytest.mark.parametrize("body, slopes, match", [
-    ('mask_mod: "kv_idx <= q_idx"', '{before: "s", after: "-s"}', "the slopes of a score_mod's bias"),
-    ('score_mod: "score - s * fabsf((float)(q_idx - kv_idx))"', '{before: "s * q_idx", after: "-s"}',
-     "name 'q_idx' is not defined here"),
-    ('score_mod: "score - s * fabsf((float)(q_idx - kv_idx))"', '{before: "s"}', "missing required key"),
-    ('score_mod: "score - s * fabsf((float)(q_idx - kv_idx))"',
-     '{before: "s", after: "-s", left: "s"}', "unknown key"),
-    ('score_mod: "score - s * fabsf((float)(q_idx - kv_idx))"\n          score_bound: "s"',
-     '{before: "s", after: "-s"}', "give one of the two"),
+    (('mask_mod: "kv_idx <= q_idx"',), '{before: "s", after: "-s"}', "the slopes of a score_mod's bias"),
+    ((ALIBI_LIKE,), '{before: "s * q_idx", after: "-s"}', "name 'q_idx' is not defined here"),
+    ((ALIBI_LIKE,), '{before: "s"}', "missing required key"),
+    ((ALIBI_LIKE,), '{before: "s", after: "-s", left: "s"}', "unknown key"),
+    ((ALIBI_LIKE, 'score_bound: "s"'), '{before: "s", after: "-s"}', "give one of the two"),
 ])
 def test_distance_slopes_are_checked(tmp_path, body, slopes, match):
     """Slopes describe a score_mod (so need one), are functions of the mod args, batch and head,
     name both sides, and exclude a score_bound (whose kernel takes no row max to shift)."""
-    path = write(tmp_path, f"""
-        name: my_attention
-        extends: flash_attn_fwd
-        mods:
-          args:
-            - {{name: s, type: f32}}
-          {body}
-          distance_slopes: {slopes}
-        """)
     with pytest.raises(SpecError, match=match):
-        load_spec(path)
+        load_spec(with_f32_arg(tmp_path, "s", *body, f"distance_slopes: {slopes}"))
 
 
 def test_alibi_gives_its_slopes_to_the_hopper_forward():
