@@ -218,7 +218,8 @@ def test_section_order_is_a_permutation(tmp_path):
     """tile_order.cuh's section_item, compiled with g++ as the kernels include it: for pair,
     rank, section and tail counts the schedules meet (one section, sections with a short last
     one, no tail, every rank a tail), the items t < pairs * ranks are every (rank, pair) once;
-    each section's pairs are its own until the tail, and the tail runs its ranks in order."""
+    each section's pairs are its own until the tail, and the tail runs its ranks in order. And
+    zigzag_item's valid slots hold each tile once, within its round, a prefix of each CTA's walk."""
     source = tmp_path / "order.cpp"
     source.write_text(r"""
 #include "cuda_emu.h"
@@ -242,6 +243,22 @@ int main() {
             if (!in_tail && it.pair / section != t / (section * (ranks - tail))) return 5;
         }
     }
+    for (int ctas = 1; ctas <= 7; ++ctas)
+    for (int count = 0; count <= 40; ++count) {
+        // TileSchedule::valid's slots: rounds up to cdiv(count, ctas), items < count.
+        std::vector<int> seen(count, 0);
+        for (int c = 0; c < ctas; ++c) {
+            bool ended = false;
+            for (int t = c; t < (count + ctas - 1) / ctas * ctas; t += ctas) {
+                const int item = kg::zigzag_item(t, ctas);
+                if (item / ctas != t / ctas) return 7;  // within its round
+                if (item >= count) { ended = true; continue; }
+                if (ended) return 8;                    // a CTA's valid slots are a prefix
+                if (item < 0 || seen[item]++) return 6;
+            }
+        }
+        for (int n : seen) if (n != 1) return 9;
+    }
     return 0;
 }
 """)
@@ -250,6 +267,19 @@ int main() {
                     f"-I{emulate.HERE / 'include'}", f"-I{emulate.INCLUDE}", str(source), "-o",
                     str(binary)], check=True, capture_output=True)
     assert subprocess.run([str(binary)]).returncode == 0
+
+
+@pytest.mark.parametrize("q_buffers", [1, 2])
+def test_static_causal_zigzag_with_a_short_last_round(q_buffers):
+    """The static causal schedule's zigzag over 3 emulated CTAs: 16 tiles (2 pairs' 4 query
+    tiles, twice) make five full rounds and a sixth, odd, of one tile, which falls to the last
+    CTA; every tile computed once (a tile left out stays NaN)."""
+    torch.manual_seed(16)
+    q = make(2, 500, 2, 64)
+    k, v = (make(2, 460, 2, 64) for _ in range(2))
+    check(q, k, v, True, config={"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2,
+                                 "persistent": 1, "q_buffers": q_buffers},
+          seed=16, lazy=q_buffers == 2)
 
 
 def test_strided_view_with_64b_swizzle():

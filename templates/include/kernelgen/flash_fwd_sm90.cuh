@@ -568,7 +568,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
                     t = next;
                 }
             } else {
-                for (int t = tiles_of_cta.first(); t < tiles_of_cta.count; t += tiles_of_cta.step())
+                for (int t = tiles_of_cta.first(); tiles_of_cta.valid(t); t += tiles_of_cta.step())
                     produce(t);
             }
         }
@@ -619,7 +619,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
     if constexpr (C::kPingpong)
         if (!C::kPersistent || tiles_of_cta.more_work(a, tiles_of_cta.first() - tiles_of_cta.step()))
             turns.start();
-    for (int t = tiles_of_cta.first(); t < tiles_of_cta.count; t += tiles_of_cta.step()) {
+    for (int t = tiles_of_cta.first(); tiles_of_cta.valid(t); t += tiles_of_cta.step()) {
         const TileWork w = tiles_of_cta.at(a, t);
         if (w.n_blocks == 0) {   // persistent only: the other case returned above
             write_empty_tile<C>(a, w, threadIdx.x - 128, C::kThreads - 128);

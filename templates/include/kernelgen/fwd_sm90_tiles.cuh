@@ -65,15 +65,18 @@ struct TileSchedule {
     __device__ __forceinline__ int first() const { return C::kPersistent ? blockIdx.x : 0; }
     __device__ __forceinline__ int step() const { return C::kPersistent ? gridDim.x : 1; }
     __device__ __forceinline__ TileWork at(const FwdArgs<typename C::Elem>& a, int t) const {
+        // t: the t-th item of the CTAs' round robin (first(), first() + step(), ...).
         if constexpr (!C::kPersistent)
             return tile_work<C>(a, mods, C::kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x,
                                 blockIdx.y, blockIdx.z);
         int m_block, hb;
+        if constexpr (kZigzag) t = zigzag_item(t, gridDim.x);
         if constexpr (C::kCausal) {
-            // With a kv range or a block mask a tile's rank (its position) only bounds its work:
-            // the shortest ranks run after the sections (tile_order.cuh).
+            // With a kv range or a block mask a tile's rank (its position) only bounds its work,
+            // and the dynamic schedule's CTAs claim the last section's long tiles while the others
+            // run dry: there the shortest ranks run after the sections (tile_order.cuh).
             SectionItem item;
-            if constexpr (Mods::kKvRange || Mods::kBlockSparse)
+            if constexpr (Mods::kKvRange || Mods::kBlockSparse || C::kDynamic)
                 item = section_item(t, count / m_blocks, m_blocks, section,
                                     m_blocks / KG_TAIL_RANKS_DIV);
             else
@@ -86,10 +89,20 @@ struct TileSchedule {
         }
         return tile_work<C>(a, mods, m_block, hb % heads, hb / heads);
     }
+    // The static causal schedule's round robin in a zigzag (tile_order.cuh): the slot t of the
+    // CTAs' walk (first(), first() + step(), ...) holds the tile zigzag_item(t) where valid(t).
+    static constexpr bool kZigzag = C::kPersistent && C::kCausal && !C::kDynamic;
+    __device__ __forceinline__ bool valid(int t) const {
+        if constexpr (kZigzag)
+            return t / int(gridDim.x) < cdiv(count, int(gridDim.x)) &&
+                   zigzag_item(t, gridDim.x) < count;
+        else
+            return t < count;
+    }
     // Whether a tile after t in this CTA's list has a KV block to compute (t = first() - step():
     // whether any has).
     __device__ __forceinline__ bool more_work(const FwdArgs<typename C::Elem>& a, int t) const {
-        for (int u = t + step(); u < count; u += step())
+        for (int u = t + step(); valid(u); u += step())
             if (at(a, u).n_blocks > 0) return true;
         return false;
     }

@@ -57,13 +57,30 @@ __device__ __forceinline__ SectionItem section_item(int t, int pairs, int ranks,
 // a perfect balance at 16k tokens x 1 (one pair per section) and 0.96 at 4k x 4; with the
 // last quarter of the ranks over every pair, 0.99 and 0.99 (tools/schedule_sim.py; measured:
 // packed and varlen causal +1-6% at 4k and 16k over no tail, PERF_NOTES §46). Those short
-// tiles read few K and V blocks, so leaving their sections costs little L2 traffic.
+// tiles read few K and V blocks, so leaving their sections costs little L2 traffic. The plain
+// kernels' dynamic schedule has the same tail (its last section's long tiles claimed late):
+// with it hd64 causal 2k/4k, hd192 512/1k and ALiBi hd128 causal 4k ran 1.5-3% faster, hd64
+// causal 1k 1.5% slower (PERF_NOTES §49).
 __device__ __forceinline__ SectionItem section_item(int t, int pairs, int ranks, int section,
                                                    int tail) {
     const int sectioned = pairs * (ranks - tail);
     if (t >= sectioned) return SectionItem{ranks - tail + (t - sectioned) / pairs,
                                            (t - sectioned) % pairs};
     return section_item(t, pairs, ranks - tail, section);
+}
+
+// The item of a static round robin's slot t (CTA t % ctas, its round t / ctas), in a zigzag: a
+// CTA takes item c of the even rounds and ctas - 1 - c of the odd ones, so the CTA that drew a
+// round's longest tile draws the next one's shortest, and a short last round (odd) falls to the
+// CTAs that drew the previous round's short tiles: its slots whose item is >= count hold none
+// (TileSchedule::valid). Straight round robin gives CTA 0 the longest tile of every round of a
+// longest-first order: the simulated static schedule (tools/schedule_sim.py --static) reached
+// 0.89 of a perfect balance at hd256 causal 4k and 0.95 at hd128 8k, this zigzag 0.97 and 0.97
+// (reversing only a short round's own items hands it to the first CTAs again: no better).
+// Measured: hd256 causal 4k +2.4%, the other static causal shapes within +-1% (PERF_NOTES §48).
+__device__ __forceinline__ int zigzag_item(int t, int ctas) {
+    const int round = t / ctas;
+    return round % 2 == 0 ? t : round * ctas + ctas - 1 - t % ctas;
 }
 
 }  // namespace kg
