@@ -93,6 +93,9 @@ struct TileSchedule {
     // CTAs' walk (first(), first() + step(), ...) holds the tile zigzag_item(t) where valid(t).
     static constexpr bool kZigzag = C::kPersistent && C::kCausal && !C::kDynamic;
     __device__ __forceinline__ bool valid(int t) const {
+        // The round bound is implied by the item test (an item lies in its slot's round), but
+        // without it ptxas spilled the hd256 causal 128 x 80 static config once
+        // tools/wip/wg_skip.patch was applied (PERF_NOTES §53).
         if constexpr (kZigzag)
             return t / int(gridDim.x) < cdiv(count, int(gridDim.x)) &&
                    zigzag_item(t, gridDim.x) < count;

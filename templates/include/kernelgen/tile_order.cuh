@@ -60,7 +60,7 @@ __device__ __forceinline__ SectionItem section_item(int t, int pairs, int ranks,
 // tiles read few K and V blocks, so leaving their sections costs little L2 traffic. The plain
 // kernels' dynamic schedule has the same tail (its last section's long tiles claimed late):
 // with it hd64 causal 2k/4k, hd192 512/1k and ALiBi hd128 causal 4k ran 1.5-3% faster, hd64
-// causal 1k 1.5% slower (PERF_NOTES §49).
+// causal 1k 1.3% slower (PERF_NOTES §49).
 __device__ __forceinline__ SectionItem section_item(int t, int pairs, int ranks, int section,
                                                    int tail) {
     const int sectioned = pairs * (ranks - tail);
