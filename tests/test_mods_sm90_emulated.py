@@ -172,7 +172,8 @@ def test_tutorial_prefix_lm(prefix, cfg):
     (128, False, config(persistent=1)),
     (128, True, config(128, 64, schedule=1, persistent=0)),
     (64, False, config(192, 96, persistent=0)),
-], ids=["full-persistent", "causal-overlap", "hd64-3wg"])
+    (128, False, config(128, 64, schedule=2, persistent=2)),
+], ids=["full-persistent", "causal-overlap", "hd64-3wg", "full-pingpong-dynamic-64"])
 def test_packed_documents_as_an_exact_kv_range(head_dim, causal, cfg):
     """flash_attn_packed: packed documents as per-token key ranges read by an exact kv range: 230
     queries, so the last tile's padding rows evaluate the range (clamped into the sequence:

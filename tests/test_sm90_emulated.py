@@ -115,6 +115,16 @@ CASES = [
      {"block_m": 128, "block_n": 64, "stages": 3, "schedule": 0, "persistent": 0}, True),
     (64, torch.bfloat16, True, (1, 250, 400, 1, 1),
      {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 0}, False),  # three consumers
+    # A warpgroup skips the tile's last KV blocks that none of its rows sees (skipped_blocks):
+    # with 64-key blocks warpgroup 0 the diagonal's last one, its slots released and (pingpong)
+    # its turn passed on empty; seqlen_k > seqlen_q moves the diagonal; three consumers skip 2,
+    # 1 and 0 blocks; a dynamic schedule's tiles run on across the skips.
+    (128, torch.bfloat16, True, (1, 300, 300, 2, 1),
+     {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2, "persistent": 1}, False),
+    (256, torch.bfloat16, True, (1, 257, 390, 1, 1),
+     {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2, "persistent": 2}, True),
+    (64, torch.float16, True, (2, 200, 200, 1, 1),
+     {"block_m": 192, "block_n": 64, "stages": 3, "schedule": 0, "persistent": 0}, False),
     # Persistent: emulate.EMULATED_SMS (3) CTAs loop over more tiles than that, the rings and
     # barrier phases running on across tiles (and across empty tiles, which only write zeros).
     (128, torch.bfloat16, False, (2, 200, 600, 2, 1),

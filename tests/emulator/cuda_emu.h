@@ -304,6 +304,19 @@ inline int __shfl_xor_sync(unsigned, int value, int mask) {
     return int(emu_shfl_xor(unsigned(value), mask));
 }
 
+// Lane `src`'s value in every lane (a whole-warp collective); the exchange goes through the
+// shuffle slots.
+inline int __shfl_sync(unsigned, int value, int src) {
+    emu::WarpSlots& w = emu::my_warp();
+    const int lane = emu::lane_id();
+    w.in[lane][0] = unsigned(value);
+    w.in[lane][1] = unsigned(src);
+    emu::warp_collective(emu::kShfl, [](emu::WarpSlots& s) {
+        for (int l = 0; l < 32; ++l) s.out[l][0] = s.in[s.in[l][1] % 32][0];
+    });
+    return int(w.out[lane][0]);
+}
+
 // Every lane's predicate as one bit (a whole-warp collective, as the kernels use it); the
 // exchange goes through the shuffle slots.
 inline unsigned __ballot_sync(unsigned, int predicate) {

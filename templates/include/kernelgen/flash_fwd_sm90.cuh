@@ -183,8 +183,10 @@ __device__ __forceinline__ void pass_kv_ring(Sm90Barriers<C> bar, int n_blocks) 
         const int s = i % C::kStages;
         const u32 parity = (i / C::kStages) & 1;
         mbarrier_wait(bar.full_k(s), parity);
+        __syncwarp();  // every lane past the wait before the slot can be refilled (sm90_consume)
         release_kv_slot<C>(bar.empty_k(s), lane);
         mbarrier_wait(bar.full_v(s), parity);
+        __syncwarp();
         release_kv_slot<C>(bar.empty_v(s), lane);
     }
 }
@@ -211,6 +213,50 @@ struct IssueTurns {
     }
 };
 
+// The tile's KV blocks that no row of the warpgroup whose first row is wg_row0 sees, at the
+// two ends of its visiting order: `lead`, its first (the highest keys: with causal, the
+// diagonal's blocks past the warpgroup's own rows, with 64-key blocks and 128-row tiles one per
+// tile for warpgroup 0, a tenth of the tensor work at 512 tokens; with a kv range the keys past
+// its rows' own range, documents: the next document's), and `trail`, its last (a kv range's
+// keys before its rows' range: the previous document's). None with a block mask, whose lists
+// are not contiguous. A warpgroup keeps one block at least (where its rows see no key: O = 0, as
+// without the skips); one of padding rows skips none (its per-token ranges would read past the
+// sequence). Lane 0's counts, so that ptxas sees the branches around the wgmma as warp-uniform
+// (else C7519: every wgmma serialized).
+struct SkippedBlocks {
+    int lead, trail;
+};
+
+template <class C, class Mods>
+__device__ __forceinline__ SkippedBlocks skipped_blocks(const FwdArgs<typename C::Elem>& a,
+                                                        const Mods& mods, const TileWork& w,
+                                                        int wg_row0) {
+    if constexpr (Mods::kBlockSparse || (!C::kCausal && !Mods::kKvRange)) {  // (block lists)
+        return SkippedBlocks{0, 0};
+    } else {
+        const int wg_rows = min(64, w.row0 + w.q_rows - wg_row0);
+        int lead = 0, trail = 0;
+        if (wg_rows > 0) {
+            const KvBlocks own = kv_blocks<C::kBlockN, C::kCausal>(
+                mods, wg_row0, wg_rows, w.batch, w.head, a.seqlen_q, a.seqlen_k);
+            if (own.n_blocks > 0) {
+                lead = max(0, w.n_first + w.n_blocks - (own.n_first + own.n_blocks));
+                trail = max(0, own.n_first - w.n_first);
+            } else {
+                lead = w.n_blocks;
+            }
+            lead = min(lead, w.n_blocks - 1);
+            // At most kStages - 1 trailing: the dynamic schedule publishes a CTA's next tile
+            // only once this tile's loads are issued, and a warpgroup asks for it (is_final) at
+            // its last P V, before its trailing passes; with more, the last loads would wait
+            // for those passes' releases (a deadlock the emulator showed).
+            trail = min(trail, min(w.n_blocks - 1 - lead, C::kStages - 1));
+        }
+        const int both = __shfl_sync(0xffffffffu, lead | (trail << 16), 0);
+        return SkippedBlocks{both & 0xffff, both >> 16};
+    }
+}
+
 // One consumer warpgroup: query rows 64 * wg .. 64 * wg + 63 of the tile.
 // `it0`: the ring position of the tile's first KV block; `tile`: how many tiles this CTA has
 // done (its Q buffer and the parity of full_q); `is_final()`: whether no later tile of this CTA
@@ -222,7 +268,47 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
                                              const TensorMap& map_o, IssueTurns<C> turns,
                                              const TileWork& w, int it0, int tile,
                                              const IsFinal& is_final) {
-    const int wg = turns.wg, row0 = w.row0, q_rows = w.q_rows, n_blocks = w.n_blocks;
+    const int wg = turns.wg, row0 = w.row0, q_rows = w.q_rows;
+    const int wg_row0 = row0 + wg * 64;
+    // The tile's blocks at either end of its visiting order that no row of this warpgroup sees
+    // are the other warpgroups' alone: their K and V slots are waited for and released, and
+    // (pingpong) their turns passed on empty, the leading ones here and the trailing ones after
+    // the last P V, so that both warpgroups take n_blocks + 1 turns per tile in the blocks' order
+    // (trailing turns taken first would wait on the other warpgroup's last blocks, whose slots
+    // this one releases only at its end: a deadlock the emulator showed). The warpgroup computes
+    // the rest (`it`, `n_blocks`; its block i is the tile's i + skip).
+    // Causal skips with blocks as long as the tile (128 x 128) only where seqlen_k - seqlen_q
+    // is not a multiple of them: those kernels keep their code (the per-tile count measured
+    // -1% / -2% at hd64 causal 512 / 1k, where it never skipped).
+    constexpr bool kSkips = !Mods::kBlockSparse &&
+                            ((C::kCausal && C::kBlockN < C::kBlockM) || Mods::kKvRange);
+    const SkippedBlocks counted = kSkips ? skipped_blocks<C>(a, mods, w, wg_row0)
+                                         : SkippedBlocks{0, 0};
+    // Trailing blocks only with a kv range (causal rows all start at key 0): a compile-time 0
+    // keeps the other kernels' code as it was (the end-of-tile passes grew their loops).
+    const SkippedBlocks skipped{counted.lead, Mods::kKvRange ? counted.trail : 0};
+    // The block at this ring position, passed on: its full barrier first (the slot's previous
+    // use is then over for every warp), and every lane past that wait before lane 0 releases the
+    // slot, or a refill could complete the barrier's next phase too and leave a late lane waiting
+    // on a parity that has come round again (the emulator's lanes showed it).
+    const auto pass_block = [&](int position) {
+        const int s = position % C::kStages;
+        const u32 parity = (position / C::kStages) & 1;
+        mbarrier_wait(bar.full_k(s), parity);
+        __syncwarp();
+        release_kv_slot<C>(bar.empty_k(s), threadIdx.x % 32);
+        mbarrier_wait(bar.full_v(s), parity);
+        __syncwarp();
+        release_kv_slot<C>(bar.empty_v(s), threadIdx.x % 32);
+    };
+    for (int i = 0; i < skipped.lead; ++i) {
+        pass_block(it0 + i);
+        turns.acquire();
+        turns.release(false);
+    }
+    const int skip = skipped.lead, it = it0 + skip;
+    bool final_turn = false;  // is_final(), asked once after the last GEMM's issue
+    const int n_blocks = w.n_blocks - skip - skipped.trail;
     typename C::Elem* o = a.o + w.batch * a.o_stride_b + w.head * a.o_stride_h + row0 * a.o_stride_s;
     float* lse = a.lse + (i64(w.batch) * a.heads + w.head) * a.seqlen_q + row0;
     using Elem = typename C::Elem;
@@ -239,16 +325,16 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     // each stage's descriptor takes its offset off that distance again (stage_desc_v).
     const u64 desc_v = desc_mn_major<kSw>(smem_u32 + C::kOffV,
                                           C::kSumMma ? C::kOffOnes - C::kOffV : C::kBlockN * kSw);
-    const auto stage = [it0](int i) { return (it0 + i) % C::kStages; };
-    const auto parity = [it0](int i) { return u32((it0 + i) / C::kStages) & 1; };
-    const auto stage_desc = [it0](u64 desc, int i) {
-        return desc + (((it0 + i) % C::kStages) * C::kTileKV >> 4);
+    const auto stage = [it](int i) { return (it + i) % C::kStages; };
+    const auto parity = [it](int i) { return u32((it + i) / C::kStages) & 1; };
+    const auto stage_desc = [it](u64 desc, int i) {
+        return desc + (((it + i) % C::kStages) * C::kTileKV >> 4);
     };
     const auto stage_desc_v = [&](u64 desc, int i) {
         const u64 stepped = stage_desc(desc, i);
         return C::kSumMma ? stepped - ((stepped - desc) << 16) : stepped;
     };
-    const auto col0 = [&w](int i) { return w.col0(i, C::kBlockN); };
+    const auto col0 = [&w, skip](int i) { return w.col0(i + skip, C::kBlockN); };
 
     float acc_o[kAccO], acc_s[kAccS], alpha[2];
     u32 p[C::kBlockN / 16][4];
@@ -271,7 +357,6 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     const auto rescale = [&](const float (&by)[2]) {
         if (!fixed) rescale_o<C>(acc_o, by);
     };
-    const int wg_row0 = row0 + wg * 64;
     const int lane_row = wg_row0 + warp * 16 + lane / 4;  // this thread's rows: lane_row, +8
     // A distance bias (mods.distance_slopes): per-column terms on one-sided blocks, the rows'
     // terms as the softmax's shifts (`shift`, set with each block's scores).
@@ -352,7 +437,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             fence_operands(acc_o);
             release_kv_slot<C>(bar.empty_v(stage(i)), lane);
         }
-        (void)is_final();  // no turns to hand on
+        final_turn = is_final();  // no turns to hand on
     } else {
         // Overlapped (FA3's IntraWGOverlap): S of block i and O += P V of block i - 1 are in flight
         // together; softmax of block i runs while the P V group still occupies the tensor cores.
@@ -403,10 +488,19 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         fence_pv_operands();
         wgmma_fence();
         issue_pv<C>(acc_o, p, stage_desc_v(desc_v, last));
-        turns.release(is_final());
+        final_turn = is_final();
+        turns.release(skipped.trail == 0 && final_turn);  // else the last trailing turn's
         wgmma_wait<0>();
         fence_operands(acc_o);
         release_kv_slot<C>(bar.empty_v(stage(last)), lane);
+    }
+
+    for (int i = 0; i < skipped.trail; ++i) {
+        pass_block(it + n_blocks + i);
+        if constexpr (C::kSchedule != 0) {  // the plain schedule takes no turns
+            turns.acquire();
+            turns.release(i == skipped.trail - 1 && final_turn);
+        }
     }
 
     // Epilogue: O /= l, LSE = (m*c + log2 l) * ln2; rows with l == 0 saw no key: O = 0, LSE = -inf.
