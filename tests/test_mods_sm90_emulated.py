@@ -92,14 +92,15 @@ def test_sliding_window(window, causal, shape, cfg, empty_rows):
     assert bool((~torch.isfinite(lse)).any()) == empty_rows
 
 
-@pytest.mark.parametrize("per_batch, causal, cfg", [
-    (False, True, config(persistent=1)),
-    (True, False, config(192, 96, persistent=0)),
-    (True, True, config(128, 128, schedule=1, persistent=1, stages=3)),
-], ids=["per-head-causal-persistent", "per-batch-3wg", "per-batch-causal-overlap-persistent"])
-def test_alibi(per_batch, causal, cfg):
+# hd64 adds the column terms after the QK^T, hd128 puts them in S before it (kBiasBeforeQk).
+@pytest.mark.parametrize("per_batch, causal, cfg, head_dim", [
+    (False, True, config(persistent=1), 64),
+    (True, False, config(192, 96, persistent=0), 64),
+    (True, True, config(128, 128, schedule=1, persistent=1, stages=3), 128),
+], ids=["per-head-causal-persistent", "per-batch-3wg", "per-batch-causal-overlap-persistent-hd128"])
+def test_alibi(per_batch, causal, cfg, head_dim):
     batch, seqlen_q, seqlen_k, heads, heads_k = 2, 170, 290, 4, 2
-    q, k, v = qkv(batch, seqlen_q, seqlen_k, heads, heads_k, 64, torch.float16)
+    q, k, v = qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, torch.float16)
     slopes = torch.rand((batch, heads) if per_batch else (heads,)) * 0.5
     s4 = slopes.view(batch if per_batch else 1, heads, 1, 1)
     shift = seqlen_k - seqlen_q

@@ -138,12 +138,14 @@ __device__ __forceinline__ u32 panel_offset(int rows, int row, int col) {
 // S = Q K^T for one KV block, issued and committed as one wgmma group (head_dim / 16 k-steps; the
 // first overwrites S). desc_k is the block's stage.
 template <class C>
-__device__ __forceinline__ void issue_qk(float (&acc_s)[C::kBlockN / 2], u64 desc_q, u64 desc_k) {
+__device__ __forceinline__ void issue_qk(float (&acc_s)[C::kBlockN / 2], u64 desc_q, u64 desc_k,
+                                         bool accumulate = false) {
     #pragma unroll
     for (int kk = 0; kk < C::kHeadDim / 16; ++kk) {
         const int panel = kk / C::kStepsPerPanel, step = kk % C::kStepsPerPanel;
         C::QkGemm::mma(acc_s, desc_q + ((panel * C::kBlockM * C::kSwizzle + step * 32) >> 4),
-                       desc_k + ((panel * C::kBlockN * C::kSwizzle + step * 32) >> 4), kk > 0);
+                       desc_k + ((panel * C::kBlockN * C::kSwizzle + step * 32) >> 4),
+                       kk > 0 || accumulate);
     }
     wgmma_commit();
 }
@@ -343,7 +345,10 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};
     // With a score_mod the scale is applied before it (the mod sees scaled scores), and the
     // softmax then works on the modified scores in log2 units.
-    const float scale_log2 = Mods::kScoreMod ? kLog2e : a.softmax_scale * kLog2e;
+    // (A distance bias put into S before the QK^T keeps raw dot products, as without a
+    // score_mod: DistanceBias, kBiasBeforeQk.)
+    const float scale_log2 = Mods::kScoreMod && !(Mods::kDistanceSlopes && kBiasBeforeQk<C>)
+                                 ? kLog2e : a.softmax_scale * kLog2e;
     // A score_mod bounded by B small enough for the 16-bit P (softcap's cap, mods.score_bound):
     // every row subtracts B for good instead of its running max, so no max is taken and O is
     // never rescaled (exact: P = exp(s - B) stays a normal number). Uniform over the tile.
@@ -358,10 +363,12 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         if (!fixed) rescale_o<C>(acc_o, by);
     };
     const int lane_row = wg_row0 + warp * 16 + lane / 4;  // this thread's rows: lane_row, +8
-    // A distance bias (mods.distance_slopes): per-column terms on one-sided blocks, the rows'
-    // terms as the softmax's shifts (`shift`, set with each block's scores).
-    const DistanceBias bias = distance_bias(mods, w.batch, w.head, wg_row0, lane_row,
-                                            a.seqlen_k - a.seqlen_q);
+    // A distance bias (mods.distance_slopes): per-column terms put into S before a one-sided
+    // block's QK^T (kBiasInit: long QK^Ts) or added after it, the rows' terms as the softmax's
+    // shifts (`shift`, set with each block's scores).
+    constexpr bool kBiasInit = Mods::kDistanceSlopes && kBiasBeforeQk<C>;
+    const DistanceBias bias = distance_bias<C>(mods, w.batch, w.head, wg_row0, lane_row,
+                                            a.seqlen_k - a.seqlen_q, a.softmax_scale);
     float shift[2] = {0.f, 0.f};
     FullRange full{0, 1 << 30};
     if constexpr (Mods::kMaskMod && Mods::kKvRange && !Mods::kBlockSparse)
@@ -418,9 +425,10 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         // Plain: S, softmax, O += P V, one block after the other (the other warpgroups fill in).
         for (int i = 0; i < n_blocks; ++i) {
             mbarrier_wait(bar.full_k(stage(i)), parity(i));
+            if constexpr (kBiasInit) init_bias_columns<C>(acc_s, bias, col0(i));
             fence_operands(acc_s);
             wgmma_fence();
-            issue_qk<C>(acc_s, desc_q, stage_desc(desc_k, i));
+            issue_qk<C>(acc_s, desc_q, stage_desc(desc_k, i), kBiasInit);
             const int c0 = early_col0(i);
             const ModBits<C> bits = mask_bits(i, c0);  // loads run while the QK^T does
             wgmma_wait<0>();
@@ -444,10 +452,11 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         // (FA3 rescales O in the S group's shadow, after its issue: measured no faster here, and
         // a 4-byte spill in the document spec's hd256 causal variant; PERF_NOTES §16.)
         mbarrier_wait(bar.full_k(stage(0)), parity(0));
+        if constexpr (kBiasInit) init_bias_columns<C>(acc_s, bias, col0(0));
         turns.acquire();
         fence_operands(acc_s);
         wgmma_fence();
-        issue_qk<C>(acc_s, desc_q, stage_desc(desc_k, 0));
+        issue_qk<C>(acc_s, desc_q, stage_desc(desc_k, 0), kBiasInit);
         turns.release(false);
         const int c00 = early_col0(0);
         const ModBits<C> bits0 = mask_bits(0, c00);
@@ -459,11 +468,12 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         pack_p<C>(p, acc_s);
         for (int i = 1; i < n_blocks; ++i) {
             mbarrier_wait(bar.full_k(stage(i)), parity(i));
+            if constexpr (kBiasInit) init_bias_columns<C>(acc_s, bias, col0(i));
             turns.acquire();
             fence_operands(acc_s);
             fence_pv_operands();
             wgmma_fence();
-            issue_qk<C>(acc_s, desc_q, stage_desc(desc_k, i));
+            issue_qk<C>(acc_s, desc_q, stage_desc(desc_k, i), kBiasInit);
             if constexpr (C::kRescaleEarly) rescale(alpha);  // block i - 1's alpha
             mbarrier_wait(bar.full_v(stage(i - 1)), parity(i - 1));
             issue_pv<C>(acc_o, p, stage_desc_v(desc_v, i - 1));
@@ -522,7 +532,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         const int r = wg * 64 + warp * 16 + lane / 4 + 8 * h;  // row inside the tile
         if (lane % 4 == 0 && r < q_rows) {
             float row_lse = empty ? neg_inf() : (row_max[h] * scale_log2 + log2_approx(l)) * kLn2;
-            if constexpr (Mods::kDistanceSlopes) row_lse -= bias.rho[h];  // the rows' shift
+            if constexpr (Mods::kDistanceSlopes) row_lse -= bias.rho[h] * bias.scale;  // the shift
             lse[r] = row_lse;
         }
         #pragma unroll

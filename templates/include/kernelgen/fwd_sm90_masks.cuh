@@ -59,26 +59,42 @@ __device__ __forceinline__ void modify_scores(float (&acc_s)[C::kBlockN / 2],
 // seqlen_q) from the diagonal, slope `before` where d <= 0 and `after` where d >= 0
 // (mods.distance_slopes; ALiBi). With ref = the diagonal key of the warpgroup's first row,
 // slope * d = slope * (kv_idx - ref) - slope * (q_idx + seqlen_k - seqlen_q - ref): a term per
-// key column, which a thread's two rows share, and a term per row. On a block wholly on one side
-// of every row's diagonal, a score is then one FFMA (qk * scale + the column's term, one FFMA per
-// column) where score_mod costs an integer distance, a convert and an FFMA after the scale's
-// multiply; the rows' terms become shifts of the rows in the softmax (its max and exp2's offset,
-// a few instructions per row and block). Every block keeps its rows' scores as s + rho, rho the
-// `before` row term, whatever side it is on; the epilogue takes rho back out of the LSE.
+// key column and a term per query row. On a block wholly on one side of every row's diagonal the
+// column terms cost one FFMA per column: either they go into S before its QK^T, which
+// accumulates onto them (one move per score before the issue, nothing after the wait; the
+// scores stay raw dot products, units of 1 / softmax_scale, and the softmax scales them as in
+// the plain kernel), or they are added after it, qk * scale + term (one FFMA per score). The
+// rows' terms become shifts of the rows in the softmax (its max and exp2's offset, a few
+// instructions per row and block): every block keeps its rows' scores as s + rho (in the
+// scores' unit), rho the row's `before` term, whatever side it is on; a block across the
+// diagonal runs the score_mod itself; the epilogue takes rho back out of the LSE.
+//
+// Whether the column terms go into S before the QK^T (init_bias_columns, raw dot products) or
+// are added after it (bias_scores, scaled scores). Measured on the H200 (PERF_NOTES §55): before
+// is +3-4% at hd128 (full and causal, 4k and 16k); at hd64 it lost 2.5-3% (four k-steps hide
+// little behind the moves before the issue; raw units with the adds after lost 5-7%), and at
+// hd256 full 5-7% (causal +1-2%, within the spread). Other head dims keep the adds after.
+template <class C>
+constexpr bool kBiasBeforeQk = C::kHeadDim == 128;
+
 struct DistanceBias {
-    float before, after;  // the slopes, in score units
-    float rho[2];         // this thread's rows: before * (row - wg_row0); the LSE subtracts it
-    float delta[2];       // (before - after) * (row - wg_row0): an `after` block's row shift
+    float before, after;  // the slopes / scale
+    float rho[2];         // this thread's rows: before * (row - wg_row0) / scale
+    float delta[2];       // (before - after) * (row - wg_row0) / scale: `after` blocks
+    float scale, inv_scale;  // the scores' unit: softmax_scale (raw dot products) or 1
     int ref;              // wg_row0 + seqlen_k - seqlen_q
 };
 
-template <class Mods>
+template <class C, class Mods>
 __device__ __forceinline__ DistanceBias distance_bias(const Mods& mods, int batch, int head,
-                                                      int wg_row0, int lane_row, int diag_off) {
+                                                      int wg_row0, int lane_row, int diag_off,
+                                                      float scale) {
     DistanceBias b;
     if constexpr (Mods::kDistanceSlopes) {
-        b.before = mods.slope_before(batch, head);
-        b.after = mods.slope_after(batch, head);
+        b.scale = kBiasBeforeQk<C> ? scale : 1.f;  // the scores' unit
+        b.inv_scale = kBiasBeforeQk<C> ? 1.f / scale : 1.f;
+        b.before = mods.slope_before(batch, head) * b.inv_scale;
+        b.after = mods.slope_after(batch, head) * b.inv_scale;
         b.ref = wg_row0 + diag_off;
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -90,10 +106,35 @@ __device__ __forceinline__ DistanceBias distance_bias(const Mods& mods, int batc
     return b;
 }
 
-// The scores of one block with the distance bias, and the rows' shifts for softmax_step: on one
-// side of the diagonal, qk * scale + slope * (kv_idx - ref) (shift 0 before, delta after);
-// across it, score_mod itself, shifted by rho. Keys past the block's columns' ref stay small
-// where they matter: a score far from the diagonal is far below the row's max (its p is 0).
+// Which side of the warpgroup's rows' diagonal the block at col0 lies on: 1 wholly before it, 2
+// wholly after it, 0 across it.
+template <class C>
+__device__ __forceinline__ int distance_side(const DistanceBias& b, int col0) {
+    return col0 + C::kBlockN - 1 <= b.ref ? 1 : col0 >= b.ref + 63 ? 2 : 0;
+}
+
+// Before the block's QK^T (kBiasBeforeQk): S = the column terms slope * (kv_idx - ref) of a
+// one-sided block, 0 across the diagonal; the QK^T accumulates onto S from its first k-step.
+// Branch-free and for every block: an accumulator that a conditional write or a runtime
+// accumulate flag leaves half-defined made ptxas serialize the wgmma (C7512) and spill.
+template <class C>
+__device__ __forceinline__ void init_bias_columns(float (&acc_s)[C::kBlockN / 2],
+                                                  const DistanceBias& b, int col0) {
+    const int side = distance_side<C>(b, col0);
+    const float slope = side == 1 ? b.before : side == 2 ? b.after : 0.f;
+    const int lane_col = col0 + 2 * int(threadIdx.x % 4);  // int: col0 - ref may be negative
+    const float base = slope * float(lane_col - b.ref);
+    #pragma unroll
+    for (int i = 0; i < C::kBlockN / 8; ++i)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) acc_s[4 * i + e] = fmaf(slope, float(i * 8 + (e & 1)), base);
+}
+
+// After the block's QK^T: the rows' shifts for softmax_step (0 before, delta after, rho across);
+// across the diagonal the score_mod itself (back in raw units where S holds them); on one side,
+// without kBiasBeforeQk, qk * scale + the column's term (one FFMA per column and one per score).
+// Keys past the block's columns' ref stay small where they matter: a score far from the
+// diagonal is far below the row's max (its p is 0).
 template <class C, class Mods>
 __device__ __forceinline__ void bias_scores(float (&acc_s)[C::kBlockN / 2], float (&shift)[2],
                                             const FwdArgs<typename C::Elem>& a, const Mods& mods,
@@ -102,22 +143,28 @@ __device__ __forceinline__ void bias_scores(float (&acc_s)[C::kBlockN / 2], floa
     const bool before = col0 + C::kBlockN - 1 <= b.ref, after = col0 >= b.ref + 63;
     if (!before && !after) {
         modify_scores<C>(acc_s, a, mods, w, col0, lane_row);
+        if constexpr (kBiasBeforeQk<C>) {
+            #pragma unroll
+            for (int k = 0; k < C::kBlockN / 2; ++k) acc_s[k] *= b.inv_scale;
+        }
         shift[0] = b.rho[0];
         shift[1] = b.rho[1];
         return;
     }
-    const float slope = before ? b.before : b.after;
     shift[0] = before ? 0.f : b.delta[0];
     shift[1] = before ? 0.f : b.delta[1];
-    const int lane_col = col0 + 2 * int(threadIdx.x % 4);  // int: col0 - ref may be negative
-    const float base = slope * float(lane_col - b.ref);
-    #pragma unroll
-    for (int i = 0; i < C::kBlockN / 8; ++i)
+    if constexpr (!kBiasBeforeQk<C>) {
+        const float slope = before ? b.before : b.after;
+        const int lane_col = col0 + 2 * int(threadIdx.x % 4);  // int: col0 - ref may be negative
+        const float base = slope * float(lane_col - b.ref);
         #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const float column = fmaf(slope, float(i * 8 + (e & 1)), base);  // one per column
-            acc_s[4 * i + e] = fmaf(acc_s[4 * i + e], a.softmax_scale, column);
-        }
+        for (int i = 0; i < C::kBlockN / 8; ++i)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float column = fmaf(slope, float(i * 8 + (e & 1)), base);  // one per column
+                acc_s[4 * i + e] = fmaf(acc_s[4 * i + e], a.softmax_scale, column);
+            }
+    }
 }
 
 // Which blocks evaluate the mask_mod per element: all of them, or with a block mask only its
