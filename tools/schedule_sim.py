@@ -4,8 +4,11 @@ work / CTAs) over the makespan. Dynamic (greedy claims by the SMs' CTAs): the pe
 order of sections (tile_order.cuh) with the short ranks left in them (tail 0) and taken out.
 --static: the static round robin (CTA c takes items c, c + CTAs, ...) against a zigzag (odd
 rounds reversed), on the plain causal mask at 512-8k for each head dim.
+--defer: non-causal documents on the dynamic schedule in claim order, with the claims that
+defer tiles shorter than the claiming CTA's mean (TileQueue::claim_longer in
+tools/wip/defer.patch), and longest first.
 
-    python tools/schedule_sim.py [--ctas 132] [--overhead 1.0] [--head-dim 128] [--static]
+    python tools/schedule_sim.py [--ctas 132] [--overhead 1.0] [--head-dim 128] [--static|--defer]
 """
 from __future__ import annotations
 
@@ -25,8 +28,8 @@ def makespan(costs, ctas: int) -> float:
     return max(free)
 
 
-def document_work(seqlen: int, batch: int) -> list[list[int]]:
-    """KV blocks of each causal query tile of the bench's documents (as its varlen/packed rows)."""
+def document_work(seqlen: int, batch: int, causal: bool = True) -> list[list[int]]:
+    """KV blocks of each query tile of the bench's documents (as its varlen/packed rows)."""
     work = []
     for row in bench_mods.document_lengths(batch, seqlen, max(2, seqlen // 1024), seed=seqlen):
         span, start = [], 0  # each token's document, [start, end)
@@ -36,7 +39,7 @@ def document_work(seqlen: int, batch: int) -> list[list[int]]:
         tiles = []
         for m in range(math.ceil(seqlen / BLOCK)):
             first, last = m * BLOCK, min(seqlen, m * BLOCK + BLOCK) - 1
-            lo, hi = span[first][0], min(span[last][1], last + 1)
+            lo, hi = span[first][0], min(span[last][1], last + 1) if causal else span[last][1]
             tiles.append(math.ceil(hi / BLOCK) - lo // BLOCK)
         work.append(tiles)
     return work
@@ -64,6 +67,45 @@ def static_makespan(costs, ctas: int, zigzag: bool = False) -> float:
     return max(sums)
 
 
+def deferring_makespan(costs, ctas: int) -> float:
+    """The dynamic schedule with claim_longer: CTA c's first tile is c; when a CTA is free it
+    claims the next tiles in order, putting those below its own running mean (over its first
+    tile and its claims) on a list, which the CTAs take from in order once the claims run out."""
+    free = [(cost, c) for c, cost in enumerate(costs[:ctas])]
+    heapq.heapify(free)
+    mean = {c: [cost, 1] for c, cost in enumerate(costs[:ctas])}
+    claims, deferred, end = iter(costs[ctas:]), [], 0.0
+    while free:
+        time, c = heapq.heappop(free)
+        end = max(end, time)
+        pick = None
+        for cost in claims:
+            mean[c][0] += cost
+            mean[c][1] += 1
+            if cost * mean[c][1] >= mean[c][0]:
+                pick = cost
+                break
+            deferred.append(cost)
+        if pick is None and deferred:
+            pick = deferred.pop(0)
+        if pick is not None:
+            heapq.heappush(free, (time + pick, c))
+    return end
+
+
+def defer_table(ctas: int, overhead: float, head_dim: int) -> None:
+    heads = 2048 // head_dim
+    print(f"{'documents, non-causal':24} {'claims':>7} {'defer':>7} {'longest':>8}")
+    for seqlen in (4096, 8192, 16384):
+        batch = 16384 // seqlen
+        work = document_work(seqlen, batch, causal=False)
+        costs = [c + overhead for b in range(batch) for _ in range(heads) for c in work[b]]
+        ideal = sum(costs) / ctas
+        print(f"{seqlen:>5} x {batch:<2}                 {ideal / makespan(costs, ctas):7.3f} "
+              f"{ideal / deferring_makespan(costs, ctas):7.3f} "
+              f"{ideal / makespan(sorted(costs, reverse=True), ctas):8.3f}")
+
+
 def static_table(ctas: int, overhead: float) -> None:
     print(f"{'plain causal':22} {'static':>7} {'zigzag':>7} {'dynamic':>8}")
     for head_dim in (64, 128, 256):
@@ -85,9 +127,12 @@ def main() -> None:
     p.add_argument("--overhead", type=float, default=1.0)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--static", action="store_true")
+    p.add_argument("--defer", action="store_true")
     opts = p.parse_args()
     if opts.static:
         return static_table(opts.ctas, opts.overhead)
+    if opts.defer:
+        return defer_table(opts.ctas, opts.overhead, opts.head_dim)
     heads = 2048 // opts.head_dim
     print(f"{'case':24} " + " ".join(f"tail m/{d}" if d else "tail 0  " for d in (0, 16, 8, 4)))
     for seqlen in (4096, 8192, 16384):

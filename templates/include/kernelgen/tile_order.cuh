@@ -77,8 +77,8 @@ __device__ __forceinline__ SectionItem section_item(int t, int pairs, int ranks,
 // longest-first order: the simulated static schedule (tools/schedule_sim.py --static) reached
 // 0.89 of a perfect balance at hd256 causal 4k and 0.95 at hd128 8k, this zigzag 0.97 and 0.97
 // (reversing only a short round's own items hands it to the first CTAs again: no better).
-// Its speed is not measured yet: the A/B that landed it compared two identical trees (PERF_NOTES
-// §48, §53).
+// Measured against the straight order (PERF_NOTES §54, hd256 causal): +2-4% at 2k, +2-6% at 4k,
+// but -3% at 1k.
 __device__ __forceinline__ int zigzag_item(int t, int ctas) {
     const int round = t / ctas;
     return round % 2 == 0 ? t : round * ctas + ctas - 1 - t % ctas;
