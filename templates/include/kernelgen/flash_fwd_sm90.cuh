@@ -713,26 +713,25 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
             }
             t = next;
         }
-        if constexpr (C::kTmaStore)
-            if (threadIdx.x % 128 == 0) bulk_wait_group_read<0>();
-        return;
-    }
-    // Pingpong's first turn, only in a CTA with a tile to compute: persistent, every tile of a
-    // CTA may be empty (causal or a kv range), and an arrival no one waits for would stay on the
-    // barrier past the CTA's exit.
-    if constexpr (C::kPingpong)
-        if (!C::kPersistent || tiles_of_cta.more_work(a, tiles_of_cta.first() - tiles_of_cta.step()))
-            turns.start();
-    for (int t = tiles_of_cta.first(); tiles_of_cta.valid(t); t += tiles_of_cta.step()) {
-        const TileWork w = tiles_of_cta.at(a, t);
-        if (w.n_blocks == 0) {   // persistent only: the other case returned above
-            write_empty_tile<C>(a, w, threadIdx.x - 128, C::kThreads - 128);
-            continue;
+    } else {
+        // Pingpong's first turn, only in a CTA with a tile to compute: persistent, every tile of
+        // a CTA may be empty (causal or a kv range), and an arrival no one waits for would stay
+        // on the barrier past the CTA's exit.
+        if constexpr (C::kPingpong)
+            if (!C::kPersistent ||
+                tiles_of_cta.more_work(a, tiles_of_cta.first() - tiles_of_cta.step()))
+                turns.start();
+        for (int t = tiles_of_cta.first(); tiles_of_cta.valid(t); t += tiles_of_cta.step()) {
+            const TileWork w = tiles_of_cta.at(a, t);
+            if (w.n_blocks == 0) {   // persistent only: the other case returned above
+                write_empty_tile<C>(a, w, threadIdx.x - 128, C::kThreads - 128);
+                continue;
+            }
+            sm90_consume<C>(a, mods, tiles, base, bar, map_o, turns, w, it, done,
+                            [&] { return !tiles_of_cta.more_work(a, t); });
+            it += w.n_blocks;
+            ++done;
         }
-        sm90_consume<C>(a, mods, tiles, base, bar, map_o, turns, w, it, done,
-                        [&] { return !tiles_of_cta.more_work(a, t); });
-        it += w.n_blocks;
-        ++done;
     }
     // A cluster's CTAs leave together: the other one's consumers may still arrive on this CTA's
     // empty barriers (exited threads count as arrived at a cluster barrier, so the producer's

@@ -89,7 +89,7 @@ template <class C, class Mods>
 __device__ __forceinline__ DistanceBias distance_bias(const Mods& mods, int batch, int head,
                                                       int wg_row0, int lane_row, int diag_off,
                                                       float scale) {
-    DistanceBias b;
+    DistanceBias b{};  // (unused without distance slopes)
     if constexpr (Mods::kDistanceSlopes) {
         b.scale = kBiasBeforeQk<C> ? scale : 1.f;  // the scores' unit
         b.inv_scale = kBiasBeforeQk<C> ? 1.f / scale : 1.f;
