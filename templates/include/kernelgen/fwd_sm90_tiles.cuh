@@ -1,7 +1,8 @@
-// Which tiles a Hopper forward CTA computes and in what order: a tile's KV blocks (tile_work),
-// the static list of a CTA (TileSchedule), and the dynamic schedule's hand-off from the
-// producer to the consumers (TileQueue). Producer and consumers walk the same list, so they
-// agree on every tile's blocks and on the K/V ring's position.
+// Which tiles a Hopper forward CTA computes and in what order: a tile's KV blocks (tile_work)
+// and those a consumer warpgroup skips (skipped_blocks), the static list of a CTA
+// (TileSchedule), and the dynamic schedule's hand-off from the producer to the consumers
+// (TileQueue). Producer and consumers walk the same list, so they agree on every tile's blocks
+// and on the K/V ring's position.
 #pragma once
 #include "kernelgen/flash_fwd_sm80.cuh"  // FwdArgs, kv_blocks, SparseRow
 #include "kernelgen/fwd_sm90_config.cuh"
@@ -41,6 +42,50 @@ __device__ __forceinline__ TileWork tile_work(const FwdArgs<typename C::Elem>& a
                                                               a.seqlen_q, a.seqlen_k);
     return TileWork{head, batch, row0, q_rows, blocks.n_first, blocks.n_blocks,
                     SparseRow{nullptr, nullptr, 0, 0}};
+}
+
+// The tile's KV blocks that no row of the warpgroup whose first row is wg_row0 sees, at the
+// two ends of its visiting order: `lead`, its first (the highest keys: with causal, the
+// diagonal's blocks past the warpgroup's own rows, with 64-key blocks and 128-row tiles one per
+// tile for warpgroup 0, a tenth of the tensor work at 512 tokens; with a kv range the keys past
+// its rows' own range, documents: the next document's), and `trail`, its last (a kv range's
+// keys before its rows' range: the previous document's). None with a block mask, whose lists
+// are not contiguous. A warpgroup keeps one block at least (where its rows see no key: O = 0, as
+// without the skips); one of padding rows skips none (its per-token ranges would read past the
+// sequence). Lane 0's counts, so that ptxas sees the branches around the wgmma as warp-uniform
+// (else C7519: every wgmma serialized).
+struct SkippedBlocks {
+    int lead, trail;
+};
+
+template <class C, class Mods>
+__device__ __forceinline__ SkippedBlocks skipped_blocks(const FwdArgs<typename C::Elem>& a,
+                                                        const Mods& mods, const TileWork& w,
+                                                        int wg_row0) {
+    if constexpr (Mods::kBlockSparse || (!C::kCausal && !Mods::kKvRange)) {  // (block lists)
+        return SkippedBlocks{0, 0};
+    } else {
+        const int wg_rows = min(64, w.row0 + w.q_rows - wg_row0);
+        int lead = 0, trail = 0;
+        if (wg_rows > 0) {
+            const KvBlocks own = kv_blocks<C::kBlockN, C::kCausal>(
+                mods, wg_row0, wg_rows, w.batch, w.head, a.seqlen_q, a.seqlen_k);
+            if (own.n_blocks > 0) {
+                lead = max(0, w.n_first + w.n_blocks - (own.n_first + own.n_blocks));
+                trail = max(0, own.n_first - w.n_first);
+            } else {
+                lead = w.n_blocks;
+            }
+            lead = min(lead, w.n_blocks - 1);
+            // At most kStages - 1 trailing: the dynamic schedule publishes a CTA's next tile
+            // only once this tile's loads are issued, and a warpgroup asks for it (is_final) at
+            // its last P V, before its trailing passes; with more, the last loads would wait
+            // for those passes' releases (a deadlock the emulator showed).
+            trail = min(trail, min(w.n_blocks - 1 - lead, C::kStages - 1));
+        }
+        const int both = __shfl_sync(0xffffffffu, lead | (trail << 16), 0);
+        return SkippedBlocks{both & 0xffff, both >> 16};
+    }
 }
 
 // The tiles one CTA computes, in order. Not persistent: the one tile of its blockIdx (causal: the
