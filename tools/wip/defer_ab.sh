@@ -3,13 +3,14 @@
 # kernels defer their short tiles), for ALiBi hd128 on plain's config (§55's lead) and for
 # tools/wip/zigzag_rule.patch (§58: the static causal zigzag only from 16 query tiles per pair):
 #   bash tools/wip/defer_ab.sh prepare  # here: .ab/head (HEAD), .ab/defer (HEAD + defer.patch),
-#                                       #   .ab/zrule (HEAD + zigzag_rule.patch)
+#                                       #   .ab/both (.ab/defer + zigzag_rule.patch, stacked on it)
 #   bash tools/wip/defer_ab.sh ab       # on the H200 (carry [".ab"]), ~5 min: the A/Bs, the trees
 #                                       #   interleaved A B A B in one call; a table last
-#   bash tools/wip/defer_ab.sh ab2      # on the H200, ~2 min: the zigzag rule's A/B
-#   bash tools/wip/defer_ab.sh gpu [defer|zrule]  # on the H200, ~3-4 min: the mods and Hopper
-#                                       #   GPU tests on that tree (default defer)
-# The two patches overlap in context: land one, then `git apply --3way` the other.
+#   bash tools/wip/defer_ab.sh ab2      # on the H200, ~2 min: the zigzag rule's A/B (both against
+#                                       #   defer: the deferral does not touch causal plain kernels)
+#   bash tools/wip/defer_ab.sh gpu      # on the H200, ~7 min: the whole GPU suite on .ab/both
+# zigzag_rule.patch applies on top of defer.patch (land defer first; without it, `git apply
+# --3way` after staging, or rebuild the patch).
 # Logs under $OUT. The trees hold examples/ (the prefix-LM tests read it).
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
@@ -26,19 +27,20 @@ table() {  # tags...
 case $1 in
   prepare)
     cd "$R" && { grep -qx ".ab/" .git/info/exclude || echo ".ab/" >> .git/info/exclude; }
-    rm -rf .ab/head .ab/defer .ab/zrule && mkdir -p .ab/head .ab/defer .ab/zrule
-    for t in head defer zrule; do
+    rm -rf .ab/head .ab/defer .ab/both && mkdir -p .ab/head .ab/defer .ab/both
+    for t in head defer both; do
       git archive HEAD kernelgen specs templates tools tests examples | tar -x -C .ab/$t
     done
     # From the root: inside .ab/ (a subdirectory of this repository) git apply skips every path
     # outside it without a word, and the trees stay the same (PERF_NOTES §53).
     git apply --directory=.ab/defer tools/wip/defer.patch || exit 1
-    git apply --directory=.ab/zrule tools/wip/zigzag_rule.patch || exit 1
-    for t in defer zrule; do
-      diff -q .ab/head/templates/include/kernelgen/fwd_sm90_tiles.cuh \
-              .ab/$t/templates/include/kernelgen/fwd_sm90_tiles.cuh > /dev/null && exit 1
-    done
-    echo "prepared .ab/head .ab/defer .ab/zrule (each differs from head)" ;;
+    git apply --directory=.ab/both tools/wip/defer.patch || exit 1
+    git apply --directory=.ab/both tools/wip/zigzag_rule.patch || exit 1
+    diff -q .ab/head/templates/include/kernelgen/fwd_sm90_tiles.cuh \
+            .ab/defer/templates/include/kernelgen/fwd_sm90_tiles.cuh > /dev/null && exit 1
+    diff -q .ab/defer/templates/include/kernelgen/tile_order.cuh \
+            .ab/both/templates/include/kernelgen/tile_order.cuh > /dev/null && exit 1
+    echo "prepared .ab/head .ab/defer .ab/both (each differs from the one before)" ;;
   ab)
     mkdir -p "$OUT"
     for i in 1 2; do
@@ -58,16 +60,15 @@ case $1 in
   ab2)
     mkdir -p "$OUT"
     for i in 1 2; do
-      for t in head zrule; do   # the shipped static causal configs: hd64 512, hd256 512-4k
+      for t in defer both; do   # the shipped static causal configs: hd64 512, hd256 512-4k
         ab $t z$t$i --causal true --head-dims 64 256 --seqlens 512 1024 2048 4096 --rounds 5
       done
     done
-    table zhead1 zzrule1 zhead2 zzrule2 ;;
+    table zdefer1 zboth1 zdefer2 zboth2 ;;
   gpu)
     mkdir -p "$OUT"
-    cd "$R/.ab/${2:-defer}" && PYTHONPATH=. KERNELGEN_CACHE_DIR=/tmp/kc_${2:-defer} timeout 400 \
-      python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 -rf tests/test_mods_sm90_gpu.py \
-      tests/test_mods_gpu.py tests/test_tune_mods_gpu.py tests/test_sm90_gpu.py 2>&1 \
-      | tail -8 | tee "$OUT/gpu_${2:-defer}.log" ;;
+    cd "$R/.ab/both" && PYTHONPATH=. KERNELGEN_CACHE_DIR=/tmp/kc_both timeout 540 \
+      python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 -rf tests/ 2>&1 \
+      | tail -12 | tee "$OUT/gpu_both.log" ;;
   *) echo "usage: $0 prepare|ab|ab2|gpu"; exit 2 ;;
 esac
