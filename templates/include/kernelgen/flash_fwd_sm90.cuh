@@ -173,24 +173,31 @@ __device__ __forceinline__ void release_kv_slot(u32 empty, int lane) {
     }
 }
 
+// A consumer warp passes on the K and V of the block at ring position `position` without using
+// them: it waits for their full barriers (the slot's previous use is then over for every warp,
+// and no copy may still land there once the CTA exits) and releases them. Every lane gets past
+// each wait before lane 0 releases the slot, or a refill could complete the barrier's next phase
+// too and leave a late lane waiting on a parity that has come round again (the emulator's lanes
+// showed it).
+template <class C>
+__device__ __forceinline__ void pass_kv_slot(Sm90Barriers<C> bar, int position) {
+    const int s = position % C::kStages, lane = threadIdx.x % 32;
+    const u32 parity = (position / C::kStages) & 1;
+    mbarrier_wait(bar.full_k(s), parity);
+    __syncwarp();
+    release_kv_slot<C>(bar.empty_k(s), lane);
+    mbarrier_wait(bar.full_v(s), parity);
+    __syncwarp();
+    release_kv_slot<C>(bar.empty_v(s), lane);
+}
+
 // The consumers of a cluster's CTA past seqlen_q (the second of the last cluster when a head has
 // an odd number of query tiles): no rows to compute, but this CTA's producer fills its half of
 // every K and V tile for the other CTA, whose producer in turn writes into this one's slots. So
-// each block's K and V are waited for (no copy may still land here once the CTA exits) and
-// released to both CTAs at once.
+// each block's K and V are passed on, released to both CTAs at once.
 template <class C>
 __device__ __forceinline__ void pass_kv_ring(Sm90Barriers<C> bar, int n_blocks) {
-    const int lane = threadIdx.x % 32;
-    for (int i = 0; i < n_blocks; ++i) {
-        const int s = i % C::kStages;
-        const u32 parity = (i / C::kStages) & 1;
-        mbarrier_wait(bar.full_k(s), parity);
-        __syncwarp();  // every lane past the wait before the slot can be refilled (sm90_consume)
-        release_kv_slot<C>(bar.empty_k(s), lane);
-        mbarrier_wait(bar.full_v(s), parity);
-        __syncwarp();
-        release_kv_slot<C>(bar.empty_v(s), lane);
-    }
+    for (int i = 0; i < n_blocks; ++i) pass_kv_slot<C>(bar, i);
 }
 
 // Pingpong: consumer warpgroups take turns issuing their GEMMs, so one runs softmax while another's
@@ -240,27 +247,10 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     // -1% / -2% at hd64 causal 512 / 1k, where it never skipped).
     constexpr bool kSkips = !Mods::kBlockSparse &&
                             ((C::kCausal && C::kBlockN < C::kBlockM) || Mods::kKvRange);
-    const SkippedBlocks counted = kSkips ? skipped_blocks<C>(a, mods, w, wg_row0)
+    const SkippedBlocks skipped = kSkips ? skipped_blocks<C>(a, mods, w, wg_row0)
                                          : SkippedBlocks{0, 0};
-    // Trailing blocks only with a kv range (causal rows all start at key 0): a compile-time 0
-    // keeps the other kernels' code as it was (the end-of-tile passes grew their loops).
-    const SkippedBlocks skipped{counted.lead, Mods::kKvRange ? counted.trail : 0};
-    // The block at this ring position, passed on: its full barrier first (the slot's previous
-    // use is then over for every warp), and every lane past that wait before lane 0 releases the
-    // slot, or a refill could complete the barrier's next phase too and leave a late lane waiting
-    // on a parity that has come round again (the emulator's lanes showed it).
-    const auto pass_block = [&](int position) {
-        const int s = position % C::kStages;
-        const u32 parity = (position / C::kStages) & 1;
-        mbarrier_wait(bar.full_k(s), parity);
-        __syncwarp();
-        release_kv_slot<C>(bar.empty_k(s), threadIdx.x % 32);
-        mbarrier_wait(bar.full_v(s), parity);
-        __syncwarp();
-        release_kv_slot<C>(bar.empty_v(s), threadIdx.x % 32);
-    };
     for (int i = 0; i < skipped.lead; ++i) {
-        pass_block(it0 + i);
+        pass_kv_slot<C>(bar, it0 + i);
         turns.acquire();
         turns.release(false);
     }
@@ -303,8 +293,8 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     // softmax then works on the modified scores in log2 units.
     // (A distance bias put into S before the QK^T keeps raw dot products, as without a
     // score_mod: DistanceBias, kBiasBeforeQk.)
-    const float scale_log2 = Mods::kScoreMod && !(Mods::kDistanceSlopes && kBiasBeforeQk<C>)
-                                 ? kLog2e : a.softmax_scale * kLog2e;
+    constexpr bool kBiasInit = Mods::kDistanceSlopes && kBiasBeforeQk<C>;
+    const float scale_log2 = Mods::kScoreMod && !kBiasInit ? kLog2e : a.softmax_scale * kLog2e;
     // A score_mod bounded by B small enough for the 16-bit P (softcap's cap, mods.score_bound):
     // every row subtracts B for good instead of its running max, so no max is taken and O is
     // never rescaled (exact: P = exp(s - B) stays a normal number). Uniform over the tile.
@@ -322,7 +312,6 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     // A distance bias (mods.distance_slopes): per-column terms put into S before a one-sided
     // block's QK^T (kBiasInit: long QK^Ts) or added after it, the rows' terms as the softmax's
     // shifts (`shift`, set with each block's scores).
-    constexpr bool kBiasInit = Mods::kDistanceSlopes && kBiasBeforeQk<C>;
     const DistanceBias bias = distance_bias<C>(mods, w.batch, w.head, wg_row0, lane_row,
                                             a.seqlen_k - a.seqlen_q, a.softmax_scale);
     float shift[2] = {0.f, 0.f};
@@ -462,7 +451,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     }
 
     for (int i = 0; i < skipped.trail; ++i) {
-        pass_block(it + n_blocks + i);
+        pass_kv_slot<C>(bar, it + n_blocks + i);
         if constexpr (C::kSchedule != 0) {  // the plain schedule takes no turns
             turns.acquire();
             turns.release(i == skipped.trail - 1 && final_turn);

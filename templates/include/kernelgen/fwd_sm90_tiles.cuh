@@ -84,7 +84,9 @@ __device__ __forceinline__ SkippedBlocks skipped_blocks(const FwdArgs<typename C
             trail = min(trail, min(w.n_blocks - 1 - lead, C::kStages - 1));
         }
         const int both = __shfl_sync(0xffffffffu, lead | (trail << 16), 0);
-        return SkippedBlocks{both & 0xffff, both >> 16};
+        // Trailing blocks only with a kv range (causal rows all start at key 0): a compile-time 0
+        // keeps the other kernels' code as it was (the end-of-tile passes grew their loops).
+        return SkippedBlocks{both & 0xffff, Mods::kKvRange ? both >> 16 : 0};
     }
 }
 
