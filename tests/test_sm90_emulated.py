@@ -46,12 +46,13 @@ def emulated_wgmma(text: str) -> str:
 
 
 def forward(q, k, v, causal, config=None, seed=0, lazy=False, spec=SPEC, mod_args=None, out=None,
-            l2_bytes=None, tail_div=None):
+            l2_bytes=None, tail_div=None, zigzag_m_blocks=None):
     """The emulated kernel of `spec` (this family, or a mods spec put onto it), with the mod
     arguments `mod_args` by name (tensors for `ptr`); returns (out, lse). `out`: where O goes
     (default: a fresh NaN-filled tensor like q). `l2_bytes`: the persistent causal schedule's
     section budget (KG_L2_SECTION_BYTES), small enough to give these shapes several sections;
-    `tail_div`: KG_TAIL_RANKS_DIV, small enough that the short ranks leave them (tile_order.cuh)."""
+    `tail_div`: KG_TAIL_RANKS_DIV, small enough that the short ranks leave them (tile_order.cuh);
+    `zigzag_m_blocks`: KG_ZIGZAG_M_BLOCKS, small enough for these shapes to take the zigzag."""
     head_dim = q.shape[-1]
     variant = spec.variant(head_dim=head_dim, dtype=NAMES[q.dtype], causal=causal)
     config = spec.default_config(variant) if config is None else spec.parse_config(config)
@@ -76,6 +77,7 @@ def forward(q, k, v, causal, config=None, seed=0, lazy=False, spec=SPEC, mod_arg
                 tile_counter=counter, **strides, **maps, **(mod_args or {}))
     define = "" if l2_bytes is None else f"#define KG_L2_SECTION_BYTES {l2_bytes}\n"
     define += "" if tail_div is None else f"#define KG_TAIL_RANKS_DIV {tail_div}\n"
+    define += "" if zigzag_m_blocks is None else f"#define KG_ZIGZAG_M_BLOCKS {zigzag_m_blocks}\n"
     emulate.run(spec, variant, config, args, seed=seed, defer=lazy,
                 transform=lambda text: define + emulated_wgmma(text))
     return out, lse
@@ -279,17 +281,19 @@ int main() {
     assert subprocess.run([str(binary)]).returncode == 0
 
 
-@pytest.mark.parametrize("q_buffers", [1, 2])
-def test_static_causal_zigzag_with_a_short_last_round(q_buffers):
+@pytest.mark.parametrize("q_buffers, zigzag_m_blocks", [(1, 1), (2, 1), (2, None)],
+                         ids=["zigzag", "zigzag-2q", "straight-2q"])
+def test_static_causal_zigzag_with_a_short_last_round(q_buffers, zigzag_m_blocks):
     """The static causal schedule's zigzag over 3 emulated CTAs: 16 tiles (2 pairs' 4 query
     tiles, twice) make five full rounds and a sixth, odd, of one tile, which falls to the last
-    CTA; every tile computed once (a tile left out stays NaN)."""
+    CTA; every tile computed once (a tile left out stays NaN). With the shipped threshold (16
+    query tiles per pair) these 4 run in the straight order."""
     torch.manual_seed(16)
     q = make(2, 500, 2, 64)
     k, v = (make(2, 460, 2, 64) for _ in range(2))
     check(q, k, v, True, config={"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2,
                                  "persistent": 1, "q_buffers": q_buffers},
-          seed=16, lazy=q_buffers == 2)
+          seed=16, lazy=q_buffers == 2, zigzag_m_blocks=zigzag_m_blocks)
 
 
 def test_strided_view_with_64b_swizzle():

@@ -25,6 +25,12 @@
 #define KG_TAIL_RANKS_DIV 4
 #endif
 
+// The fewest query tiles per (batch, head) for the static causal zigzag (TileSchedule::zigzag).
+// A macro for the same reason as the section budget.
+#ifndef KG_ZIGZAG_M_BLOCKS
+#define KG_ZIGZAG_M_BLOCKS 16
+#endif
+
 namespace kg {
 
 // Pairs per section when each pair keeps `pair_bytes` in L2 (at least one).
@@ -79,9 +85,9 @@ __device__ __forceinline__ SectionItem section_item(int t, int pairs, int ranks,
 // (reversing only a short round's own items hands it to the first CTAs again: no better).
 // Measured against the straight order (PERF_NOTES §54, hd256 causal): +2-4% at 2k, +2-6% at 4k,
 // but -3% at 1k.
-__device__ __forceinline__ int zigzag_item(int t, int ctas) {
+__device__ __forceinline__ int zigzag_item(int t, int ctas, bool zigzag = true) {
     const int round = t / ctas;
-    return round % 2 == 0 ? t : round * ctas + ctas - 1 - t % ctas;
+    return !zigzag || round % 2 == 0 ? t : round * ctas + ctas - 1 - t % ctas;
 }
 
 }  // namespace kg
