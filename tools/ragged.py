@@ -61,6 +61,28 @@ def check_clusters():
                        seqlen_k)
 
 
+def check_documents_dynamic():
+    """Packed documents (flash_attn_packed, non-causal) on the dynamic schedule with more tiles
+    than SMs, so that the claims run and short tiles are deferred to the global list
+    (TileSchedule::kDefer); a ragged length, so the last tile's padding rows read the bounds."""
+    from kernelgen import mods_sm90
+    torch.manual_seed(5)
+    for head_dim in (64, 128):
+        batch, seqlen, heads = 2, 4100, 8          # 2 x 8 x 33 = 528 tiles of 128 rows
+        q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda",
+                               dtype=torch.float16) for _ in range(3))
+        # Documents of ~300 tokens on average, their lengths geometric: tiles of unequal work.
+        ids = (torch.rand(batch, seqlen, device="cuda") < 1 / 300).cumsum(1).to(torch.int32)
+        start, end = kernelgen.packed_ranges(ids, ids)
+        kernel = kernelgen.load("flash_attn_packed", head_dim=head_dim, dtype="fp16")
+        out, _ = mods_sm90.forward_sm90(kernel.spec, q, k, v, kernel.params,
+                                        1 / head_dim ** 0.5, (start, end), config=DYNAMIC)
+        same = lambda b, h, i, j: ids[b, i] == ids[b, j]
+        ref, _ = attention_ref(q, k, v, mask_mod=same)
+        pt, _ = attention_ref(q, k, v, mask_mod=same, upcast=False)
+        report(within_rule(out, ref, pt), "packed dynamic", head_dim, seqlen)
+
+
 if opts.clusters:
     if HOPPER:
         check_clusters()
@@ -131,6 +153,8 @@ for head_dim in MASK_MODS or (64, 96, 128, 192, 256):
             (grad,) = torch.autograd.grad(out, xq, torch.ones_like(out))
             report(bool(torch.isfinite(out).all() and torch.isfinite(grad).all()), "packed",
                    head_dim, causal, seqlen_q, seqlen_k)
+if HOPPER and MASK_MODS is None:
+    check_documents_dynamic()
 torch.cuda.synchronize()
 print(f"ragged: {bad} wrong")
 raise SystemExit(1 if bad else 0)
