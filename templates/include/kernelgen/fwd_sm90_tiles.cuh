@@ -137,10 +137,9 @@ struct TileSchedule {
         return tile_work<C>(a, mods, m_block, hb % heads, hb / heads);
     }
     // The static causal schedule's round robin in a zigzag (tile_order.cuh): the slot t of the
-    // CTAs' walk (first(), first() + step(), ...) holds the tile zigzag_item(t) where valid(t).
-    // Measured against the straight order at hd256 causal (PERF_NOTES §54): +2-4% at 2k, +2-6%
-    // at 4k, -3% at 1k, where the simulation saw no difference: from 16 query tiles per (batch,
-    // head) on (2k at block_m 128; KG_ZIGZAG_M_BLOCKS).
+    // CTAs' walk (first(), first() + step(), ...) holds the tile zigzag_item(t) where valid(t);
+    // the straight order below KG_ZIGZAG_M_BLOCKS query tiles per (batch, head) (zigzag_item
+    // says why).
     static constexpr bool kZigzag = C::kPersistent && C::kCausal && !C::kDynamic;
     __device__ __forceinline__ bool zigzag() const { return m_blocks >= KG_ZIGZAG_M_BLOCKS; }
     __device__ __forceinline__ bool valid(int t) const {

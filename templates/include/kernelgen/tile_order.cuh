@@ -84,7 +84,9 @@ __device__ __forceinline__ SectionItem section_item(int t, int pairs, int ranks,
 // 0.89 of a perfect balance at hd256 causal 4k and 0.95 at hd128 8k, this zigzag 0.97 and 0.97
 // (reversing only a short round's own items hands it to the first CTAs again: no better).
 // Measured against the straight order (PERF_NOTES §54, hd256 causal): +2-4% at 2k, +2-6% at 4k,
-// but -3% at 1k.
+// but -3% at 1k, where the simulation saw no difference; so `zigzag` (odd rounds reversed) only
+// from KG_ZIGZAG_M_BLOCKS query tiles per (batch, head): hd256 causal 512 +7%, 1k +3% with the
+// straight order there (§61).
 __device__ __forceinline__ int zigzag_item(int t, int ctas, bool zigzag = true) {
     const int round = t / ctas;
     return !zigzag || round % 2 == 0 ? t : round * ctas + ctas - 1 - t % ctas;
