@@ -59,14 +59,19 @@ def encode_maps(layouts: tuple, q, k, v, o) -> tuple:
                  for m, t in zip(layouts, (q, k, v, o)))
 
 
-def tile_counter(kernel, device):
-    """The dynamic schedule's claim counter for one launch of `kernel` (persistent 2): a fresh
-    zero int32 on `device`, made on the current stream like the launch that follows, so that
-    launches on other streams and replays of captured graphs never share one (a kernel that reset
-    a shared counter itself would race with a concurrent one). None for the other configs."""
+def tile_counter(kernel, q):
+    """The dynamic schedule's claim counter for one launch of `kernel` (persistent 2) on query
+    `q` (batch, seqlen_q, heads, head_dim): fresh zero int32s on q's device, made on the current
+    stream like the launch that follows, so that launches on other streams and replays of
+    captured graphs never share one (a kernel that reset a shared counter itself would race with
+    a concurrent one). With room for the deferred tiles' list (TileQueue::claim_longer: a 64-bit
+    claim word, two counts and an entry per tile), which only non-causal kv-range and block-mask
+    kernels use; one memset either way. None for the other configs."""
     if kernel.config["persistent"] != 2:
         return None
-    return torch.zeros(1, dtype=torch.int32, device=device)
+    batch, seqlen_q, heads = q.shape[:3]
+    tiles = batch * heads * -(-seqlen_q // kernel.config["block_m"])
+    return torch.zeros(4 + tiles, dtype=torch.int32, device=q.device)
 
 
 def pointer(tensor) -> int:

@@ -143,7 +143,7 @@ class Workload:
         if "tile_counter" in self.names:
             from kernelgen import hopper
 
-            counter = hopper.tile_counter(kernel, self.q.device)
+            counter = hopper.tile_counter(kernel, self.q)
             values["tile_counter"] = hopper.pointer(counter)
         values = tuple(values[name] for name in self.names)
         # Every value a grid may read: the sizes, and a mods spec's scalars (measure_mods.py).

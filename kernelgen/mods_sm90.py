@@ -141,7 +141,7 @@ def _launch(plan: _Plan, q, k, v, softmax_scale: float, mod_values: tuple):
     if out.numel() == 0:
         return out, lse
     maps = hopper.encode_maps(plan.maps, q, k, v, out)
-    counter = hopper.tile_counter(plan.kernel, q.device)
+    counter = hopper.tile_counter(plan.kernel, q)
     args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
             batch, heads, k.shape[2], seqlen_q, k.shape[1], float(softmax_scale),

@@ -200,7 +200,7 @@ def _launch(plan: _Plan, q, k, v):
     if plan.maps:
         from kernelgen import hopper
 
-        counter = hopper.tile_counter(plan.kernel, q.device)
+        counter = hopper.tile_counter(plan.kernel, q)
         args += (*hopper.encode_maps(plan.maps, q, k, v, out), hopper.pointer(counter))
     plan.kernel.launch(args, plan.grid, plan.device, api._current_stream(plan.device))
     return out, lse

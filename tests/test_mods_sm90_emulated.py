@@ -125,6 +125,37 @@ def test_packed_causal_tail_after_the_sections(persistent):
           mask_mod=lambda *_: visible, l2_bytes=2 * 4 * seqlen * 64, tail_div=2)
 
 
+@pytest.mark.parametrize("head_dim, cfg", [
+    (64, config(128, 64, schedule=2, persistent=2)),
+    (64, config(192, 64, schedule=1, persistent=2)),
+], ids=["pingpong", "3wg-overlap"])
+def test_packed_full_defers_short_tiles(head_dim, cfg):
+    """Non-causal kv ranges on the dynamic schedule (TileSchedule::kDefer): a scheduler thread
+    claims the tiles, puts those shorter than its CTA's mean on a global list and takes them back
+    after the claims run out; the producer thread takes every publication as the consumers do.
+    Every tile once (a tile left out stays NaN, one run twice would still pass, so the list is
+    checked too: each deferred tile once, all taken back)."""
+    batch, seqlen, heads = 2, 700, 3
+    q, k, v = qkv(batch, seqlen, seqlen, heads, heads, head_dim)
+    torch.manual_seed(17)
+    ids = documents(batch, seqlen, 5)
+    ids[0, :40] = -1          # a short first document: its tile sees few blocks
+    start, end = packed_ranges(ids)
+    keys = torch.arange(seqlen)
+    visible = ((keys >= start[:, :, None]) & (keys < end[:, :, None]))[:, None]
+    tiles = batch * heads * -(-seqlen // cfg["block_m"])
+    counter = torch.zeros(4 + tiles, dtype=torch.int32)  # as hopper.tile_counter makes it
+    check(q, k, v, False, config=cfg, seed=7, lazy=True, spec=onto("flash_attn_packed"),
+          mod_args={"doc_start": start, "doc_end": end}, mask_mod=lambda *_: visible,
+          counter=counter)
+    undecided, deferred, tickets = counter[1].item(), counter[2].item(), counter[3].item()
+    listed = sorted(counter[4:4 + deferred].tolist())
+    # Every CTA draws one ticket past the list's end, its last: the ones before it all taken.
+    assert undecided == 0 and 0 < deferred and tickets == deferred + min(emulate.EMULATED_SMS, tiles)
+    assert len(set(listed)) == deferred and min(listed) >= 1 and max(listed) <= tiles
+    assert not counter[4 + deferred:].any()
+
+
 def documents(batch, seqlen, cuts_per_row, first_id=0):
     """(batch, seqlen) int32 document ids: runs of equal ids, cut at random points."""
     ids = torch.zeros(batch, seqlen, dtype=torch.int32)
@@ -138,7 +169,8 @@ def documents(batch, seqlen, cuts_per_row, first_id=0):
 @pytest.mark.parametrize("causal, cfg", [
     (False, config(persistent=1)),
     (True, config(128, 64, schedule=1, persistent=0)),
-], ids=["full-persistent", "causal-overlap"])
+    (False, config(persistent=2)),   # block lists on the deferring claims (TileSchedule::kDefer)
+], ids=["full-persistent", "causal-overlap", "full-dynamic"])
 def test_document_mask(causal, cfg):
     batch, seqlen_q, seqlen_k, heads = 2, 230, 310, 2
     q, k, v = qkv(batch, seqlen_q, seqlen_k, heads, heads, 128)

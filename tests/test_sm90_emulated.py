@@ -46,13 +46,15 @@ def emulated_wgmma(text: str) -> str:
 
 
 def forward(q, k, v, causal, config=None, seed=0, lazy=False, spec=SPEC, mod_args=None, out=None,
-            l2_bytes=None, tail_div=None, zigzag_m_blocks=None):
+            l2_bytes=None, tail_div=None, zigzag_m_blocks=None, counter=None):
     """The emulated kernel of `spec` (this family, or a mods spec put onto it), with the mod
     arguments `mod_args` by name (tensors for `ptr`); returns (out, lse). `out`: where O goes
     (default: a fresh NaN-filled tensor like q). `l2_bytes`: the persistent causal schedule's
     section budget (KG_L2_SECTION_BYTES), small enough to give these shapes several sections;
     `tail_div`: KG_TAIL_RANKS_DIV, small enough that the short ranks leave them (tile_order.cuh);
-    `zigzag_m_blocks`: KG_ZIGZAG_M_BLOCKS, small enough for these shapes to take the zigzag."""
+    `zigzag_m_blocks`: KG_ZIGZAG_M_BLOCKS, small enough for these shapes to take the zigzag;
+    `counter`: the dynamic schedule's buffer (default: a fresh zero one, as hopper.tile_counter
+    makes), for tests that read it afterwards."""
     head_dim = q.shape[-1]
     variant = spec.variant(head_dim=head_dim, dtype=NAMES[q.dtype], causal=causal)
     config = spec.default_config(variant) if config is None else spec.parse_config(config)
@@ -71,7 +73,10 @@ def forward(q, k, v, causal, config=None, seed=0, lazy=False, spec=SPEC, mod_arg
                for name, t in (("q", q), ("k", k), ("v", v), ("o", out))
                for i, dim in enumerate("bsh")}
     # The dynamic schedule's counter (persistent 2), zero like the library's per launch.
-    counter = torch.zeros(1, dtype=torch.int32) if config["persistent"] == 2 else None
+    # (hopper.tile_counter's size: the counter, then the deferred tiles' counts and list.)
+    tiles = batch * heads * -(-seqlen_q // config["block_m"])
+    if counter is None and config["persistent"] == 2:
+        counter = torch.zeros(4 + tiles, dtype=torch.int32)
     args = dict(q=q, k=k, v=v, o=out, lse=lse, batch=batch, heads=heads, heads_k=k.shape[2],
                 seqlen_q=seqlen_q, seqlen_k=k.shape[1], softmax_scale=1 / math.sqrt(head_dim),
                 tile_counter=counter, **strides, **maps, **(mod_args or {}))

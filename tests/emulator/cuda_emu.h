@@ -330,10 +330,25 @@ inline unsigned __ballot_sync(unsigned, int predicate) {
     return w.out[emu::lane_id()][0];
 }
 inline int __popc(unsigned value) { return __builtin_popcount(value); }
+// One CTA at a time: global memory is ordered already, and a wait on another CTA never ends.
+inline void __threadfence() {}
+inline void __nanosleep(unsigned) { emu::fail("a wait on another CTA (__nanosleep)", 0); }
 // Fibers switch only at collectives and barriers, so a plain read-modify-write is atomic here.
 inline int atomicAdd(int* address, int value) {
     emu::check_global(address, sizeof(int));
     const int old = *address;
     *address = old + value;
+    return old;
+}
+inline unsigned long long atomicAdd(unsigned long long* address, unsigned long long value) {
+    emu::check_global(address, sizeof(unsigned long long));
+    const unsigned long long old = *address;
+    *address = old + value;
+    return old;
+}
+inline int atomicExch(int* address, int value) {
+    emu::check_global(address, sizeof(int));
+    const int old = *address;
+    *address = value;
     return old;
 }

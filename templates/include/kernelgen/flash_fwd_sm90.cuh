@@ -536,6 +536,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
                   "a cluster's CTAs must see the same KV blocks");
 
     const TileSchedule<C, Mods> tiles_of_cta(a, mods);
+    constexpr bool kDefer = TileSchedule<C, Mods>::kDefer;
     const int group = a.heads / a.heads_k;
     if constexpr (!C::kPersistent) {
         const TileWork w = tiles_of_cta.at(a, 0);
@@ -568,7 +569,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
         if constexpr (C::kDynamic)
             for (int j = 0; j < 2; ++j) {
                 mbarrier_init(bar.full_t(j), 1);
-                mbarrier_init(bar.empty_t(j), 4 * C::kConsumers);
+                // + the producer thread's, when a scheduler thread publishes (kDefer).
+                mbarrier_init(bar.empty_t(j), 4 * C::kConsumers + (kDefer ? 1 : 0));
             }
         mbarrier_fence_init();
     }
@@ -591,6 +593,16 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
     const TileQueue<C> queue{bar, reinterpret_cast<int*>(tiles + C::kOffQueue), tile_counter};
     if (threadIdx.x < 128) {
         setmaxnreg_dec<C::kProducerRegs>();
+        if constexpr (kDefer)
+            if (threadIdx.x == 32) {  // the scheduler thread (TileQueue), in a warp of its own
+                int j = 0, sum = tiles_of_cta.at(a, blockIdx.x).n_blocks, seen = 1;
+                queue.publish(j++, blockIdx.x);
+                for (int t; (t = queue.claim_longer(tiles_of_cta, a, sum, seen)) < tiles_of_cta.count;)
+                    queue.publish(j++, t);
+                for (int t; (t = queue.take_deferred(tiles_of_cta.count)) < tiles_of_cta.count;)
+                    queue.publish(j++, t);
+                queue.publish(j++, tiles_of_cta.count);
+            }
         if (threadIdx.x == 0) {
             tma_prefetch(map_q);
             tma_prefetch(map_k);
@@ -603,7 +615,11 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
                 it += w.n_blocks;
                 ++done;
             };
-            if constexpr (C::kDynamic) {
+            if constexpr (kDefer) {
+                int j = 0;
+                for (int t = queue.take_alone(j++); t < tiles_of_cta.count; t = queue.take_alone(j++))
+                    produce(t);
+            } else if constexpr (C::kDynamic) {
                 // The successor is claimed before this tile's loads and published after them:
                 // the atomic's round trip hides behind the loads, and the consumers, who learn
                 // it at the tile's last GEMM (is_final), find it published.

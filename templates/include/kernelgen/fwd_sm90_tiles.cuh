@@ -136,6 +136,13 @@ struct TileSchedule {
         }
         return tile_work<C>(a, mods, m_block, hb % heads, hb / heads);
     }
+    // Non-causal with a kv range read from memory or a block mask, a tile's work is its rows'
+    // documents (or lists), which its position does not bound: the dynamic schedule's claims defer
+    // the short ones (TileQueue::claim_longer), so that the claims at the end are short. Not for
+    // an analytic range (a window): its tiles are shorter only at the sequence's edges, and the
+    // deferral lost 2-3% there (window hd128 full 4k, PERF_NOTES §62).
+    static constexpr bool kDefer =
+        C::kDynamic && !C::kCausal && (Mods::kRangeReadsMemory || Mods::kBlockSparse);
     // The static causal schedule's round robin in a zigzag (tile_order.cuh): the slot t of the
     // CTAs' walk (first(), first() + step(), ...) holds the tile zigzag_item(t) where valid(t);
     // the straight order below KG_ZIGZAG_M_BLOCKS query tiles per (batch, head) (zigzag_item
@@ -167,10 +174,17 @@ struct TileSchedule {
 // publication once. full_t[slot]: the producer's one arrival after writing the slot; empty_t[slot]:
 // one arrival per consumer warp once its lanes have read it. Publication j uses slot j % 2 with
 // parity (j / 2) & 1, so the producer can publish a tile's successor while the tile is computed.
+// With TileSchedule::kDefer a scheduler thread of the producer warpgroup claims and publishes
+// instead, and the producer thread takes each publication too (one more arrival on empty_t): a
+// claim then waits on the tile's bounds, and possibly on further claims, which the producer's
+// loads must not wait behind.
 template <class C>
 struct TileQueue {
     Sm90Barriers<C> bar;
     int* slots;  // the two slots, in shared memory
+    // [0] the claims. With kDefer [0, 1] one 64-bit word instead: the claims (low half) and the
+    // claims still undecided, kept or deferred (high half); [2] tiles deferred, [3] tickets to the
+    // list handed out, [4..] the list (hopper.tile_counter's size).
     int* counter;
 
     // The next tile nobody has claimed (every CTA's first tile is its blockIdx.x).
@@ -186,6 +200,66 @@ struct TileQueue {
         __syncwarp();  // every lane has read it
         if (threadIdx.x % 32 == 0) mbarrier_arrive(bar.empty_t(j % 2));
         return t;
+    }
+    // take() for a thread alone in its warp (the producer thread; its lanes have returned).
+    __device__ __forceinline__ int take_alone(int j) const {
+        mbarrier_wait(bar.full_t(j % 2), u32(j / 2) & 1);
+        const int t = slots[j % 2];
+        mbarrier_arrive(bar.empty_t(j % 2));
+        return t;
+    }
+
+    // kDefer's claims: the next claimed tile with at least 3/4 of this CTA's mean work so far
+    // (`sum` KV blocks over `seen` tiles, its first included; the mean itself deferred more and
+    // gained less, §62), the shorter ones put on a global list that every CTA takes from once
+    // the claims run out (take_deferred); `count` when the claims are done. Simulated on the bench's documents (non-causal, 128-row tiles, 132 CTAs,
+    // tools/schedule_sim.py --defer): 0.93-0.95 of a perfect balance in claim order, 0.97 with
+    // the deferral, 0.98-0.99 for longest first overall (which needs every tile's work before
+    // the launch). A claim counts as undecided (the word's high half) until its tile is kept or
+    // listed, so that a taker can tell when the list is final.
+    static constexpr unsigned long long kClaim = 1ull + (1ull << 32), kDecided = ~0ull << 32;
+    template <class Schedule, class Args>
+    __device__ __forceinline__ int claim_longer(const Schedule& tiles, const Args& a, int& sum,
+                                                int& seen) const {
+        auto* const word = reinterpret_cast<unsigned long long*>(counter);
+        for (;;) {
+            const int t = gridDim.x + int(u32(atomicAdd(word, kClaim)));
+            if (t >= tiles.count) break;
+            const int n = tiles.at(a, t).n_blocks;
+            sum += n;
+            ++seen;
+            if (4 * n * seen >= 3 * sum) {  // at least 3/4 of the mean: kept (§62)
+                atomicAdd(word, kDecided);
+                return t;
+            }
+            atomicExch(counter + 4 + atomicAdd(counter + 2, 1), t + 1);
+            __threadfence();  // the entry and its count before the decision
+            atomicAdd(word, kDecided);
+        }
+        atomicAdd(word, kDecided);
+        return tiles.count;
+    }
+    // After claim_longer's `count`: the next tile of the list (`count`: the list is done). Each
+    // taker draws a ticket, its index into the list, with one fetch-and-add: the first version
+    // compared-and-swapped the count taken instead, so that it never passed the count deferred,
+    // and its takers queued behind each other (one success per round trip to L2 with 132
+    // contenders) while the tiles they took are a few microseconds each: packed hd128 full 4k
+    // -35% (PERF_NOTES §61, §62). A ticket past the list's end waits for its entry or for the
+    // list to be final (every claim made and decided); it never waits on another CTA's tiles.
+    __device__ __forceinline__ int take_deferred(int count) const {
+        auto* const word = reinterpret_cast<unsigned long long*>(counter);
+        const int k = atomicAdd(counter + 3, 1);
+        for (;;) {
+            const unsigned long long w = atomicAdd(word, 0ull);
+            __threadfence();  // the word before the count: a final word means a final count
+            if (k < atomicAdd(counter + 2, 0)) {
+                int entry;
+                while ((entry = atomicAdd(counter + 4 + k, 0)) == 0) {}  // its writer is between two atomics
+                return entry - 1;
+            }
+            if (gridDim.x + int(u32(w)) >= count && (w >> 32) == 0) return count;
+            __nanosleep(256);
+        }
     }
 };
 
