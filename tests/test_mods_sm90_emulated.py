@@ -26,9 +26,9 @@ def onto(name):
     return load_spec(name, onto=BASE)
 
 
-def config(block_m=128, block_n=64, schedule=2, persistent=0, stages=2):
+def config(block_m=128, block_n=64, schedule=2, persistent=0, stages=2, kv_align=0):
     return {"block_m": block_m, "block_n": block_n, "stages": stages, "schedule": schedule,
-            "persistent": persistent}
+            "persistent": persistent, "kv_align": kv_align}
 
 
 def qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype=torch.bfloat16, scale=1.0):
@@ -77,9 +77,15 @@ def window_mask(left, right, seqlen_q, seqlen_k):
     # No right bound: the exact range's top is the sequence end (and the diagonal, causal).
     ((24, -1), False, (1, 200, 330, 2, 1), config(persistent=1), False),
     ((24, -1), True, (1, 200, 330, 2, 1), config(persistent=2), False),
+    # kv_align 1: each tile's blocks start at its first key (row0 - left), off the multiples of
+    # 64, so the diagonal and the window's right edge cross blocks at other columns.
+    ((40, 30), False, (2, 150, 400, 2, 1), config(persistent=1, kv_align=1), False),
+    ((70, 0), True, (1, 300, 430, 2, 2), config(persistent=2, kv_align=1), False),
+    ((5, 3), True, (1, 260, 100, 1, 1), config(schedule=1, persistent=0, kv_align=1), True),
 ], ids=["40-30-persistent", "70-0-causal", "0-0-empty-persistent", "5-3-causal-empty",
         "left-unbounded-schedule0", "0-0-empty-dynamic", "right-unbounded",
-        "right-unbounded-causal-dynamic"])
+        "right-unbounded-causal-dynamic", "40-30-aligned", "70-0-causal-dynamic-aligned",
+        "5-3-causal-empty-aligned"])
 def test_sliding_window(window, causal, shape, cfg, empty_rows):
     batch, seqlen_q, seqlen_k, heads, heads_k = shape
     left, right = window
@@ -128,7 +134,8 @@ def test_packed_causal_tail_after_the_sections(persistent):
 @pytest.mark.parametrize("head_dim, cfg", [
     (64, config(128, 64, schedule=2, persistent=2)),
     (64, config(192, 64, schedule=1, persistent=2)),
-], ids=["pingpong", "3wg-overlap"])
+    (64, config(128, 64, schedule=2, persistent=2, kv_align=1)),
+], ids=["pingpong", "3wg-overlap", "pingpong-aligned"])
 def test_packed_full_defers_short_tiles(head_dim, cfg):
     """Non-causal kv ranges on the dynamic schedule (TileSchedule::kDefer): a scheduler thread
     claims the tiles, puts those shorter than its CTA's mean on a global list and takes them back
@@ -206,7 +213,12 @@ def test_tutorial_prefix_lm(prefix, cfg):
     (128, True, config(128, 64, schedule=1, persistent=0)),
     (64, False, config(192, 96, persistent=0)),
     (128, False, config(128, 64, schedule=2, persistent=2)),
-], ids=["full-persistent", "causal-overlap", "hd64-3wg", "full-pingpong-dynamic-64"])
+    # kv_align 1: blocks from each tile's first key; the warpgroups' skips counted from there.
+    (128, False, config(persistent=1, kv_align=1)),
+    (128, True, config(128, 64, schedule=1, persistent=0, kv_align=1)),
+    (64, False, config(192, 96, persistent=2, kv_align=1)),
+], ids=["full-persistent", "causal-overlap", "hd64-3wg", "full-pingpong-dynamic-64",
+        "full-persistent-aligned", "causal-overlap-aligned", "hd64-3wg-dynamic-aligned"])
 def test_packed_documents_as_an_exact_kv_range(head_dim, causal, cfg):
     """flash_attn_packed: packed documents as per-token key ranges read by an exact kv range: 230
     queries, so the last tile's padding rows evaluate the range (clamped into the sequence:

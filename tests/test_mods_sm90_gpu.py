@@ -19,6 +19,8 @@ pytestmark = [pytest.mark.gpu,
 
 PERSISTENT = {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 1}
 DYNAMIC = {**PERSISTENT, "persistent": 2, "q_buffers": 2}   # tiles claimed from a counter
+# kv ranges' blocks from each tile's first key, 144 keys each: off every multiple of 128.
+ALIGNED = {**DYNAMIC, "block_n": 144, "kv_align": 1}
 
 
 def run(spec, q, k, v, causal, values, config=None):
@@ -79,7 +81,8 @@ def test_score_mods_in_clusters(head_dim):
               s - slopes.view(1, h, 1, 1) * (i + sk - sq - j).abs().float())
 
 
-@pytest.mark.parametrize("config", [None, PERSISTENT, DYNAMIC], ids=["default", "persistent", "dynamic"])
+@pytest.mark.parametrize("config", [None, PERSISTENT, DYNAMIC, ALIGNED],
+                         ids=["default", "persistent", "dynamic", "aligned"])
 @pytest.mark.parametrize("window", [(16, 0), (64, 64), (-1, 32), (100, -1), (0, 0)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sliding_window(window, causal, config):
@@ -147,7 +150,8 @@ def test_document_mask(causal, config):
     check(got, q, k, v, causal, mask_mod=lambda *_: same)
 
 
-@pytest.mark.parametrize("config", [None, PERSISTENT, DYNAMIC], ids=["default", "persistent", "dynamic"])
+@pytest.mark.parametrize("config", [None, PERSISTENT, DYNAMIC, ALIGNED],
+                         ids=["default", "persistent", "dynamic", "aligned"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_packed_documents(causal, config):
     """flash_attn_packed: packed documents as per-token key ranges, an exact kv range that reads

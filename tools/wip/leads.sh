@@ -10,4 +10,7 @@ for lead in ${LEADS:-sched rescale bn pers}; do case $lead in
   rescale) run rescale --causal true --head-dims 256 --seqlens 8192 16384 --key rescale --values 1 0 --config '{"schedule": 2}' ;;
   bn)      run bn --causal true --head-dims 64 128 --seqlens 512 1024 --key block_n --values 128 64 96 ;;
   pers)    run pers --causal false --head-dims 64 --seqlens 512 1024 --key persistent --values 1 2 ;;
+  align)   run align --mod packed --causal both --head-dims 64 128 --seqlens 4096 16384 --key kv_align --values 0 1 --rounds 5 ;;
+  alignbn) run alignbn --mod packed --causal false --head-dims 128 --seqlens 4096 16384 --key block_n --values 144 128 160 --config '{"kv_align": 1}' ;;
+  base)    (cd .ab/base && KERNELGEN_CACHE_DIR=/tmp/kc_base run base --mod packed --causal both --head-dims 64 128 --seqlens 4096 16384 --rounds 5) ;;
 esac; done

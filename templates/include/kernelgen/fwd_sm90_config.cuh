@@ -13,7 +13,7 @@ namespace kg {
 // pingpong between the consumer warpgroups (see sm90_consume).
 template <class Elem_, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool CAUSAL,
           int SCHEDULE, int PERSISTENT, int Q_BUFFERS, int SUM_MMA, int RESCALE, int Q_SPLIT,
-          int CLUSTER, class QkGemm_, class PvGemm_>
+          int CLUSTER, int KV_ALIGN, class QkGemm_, class PvGemm_>
 struct Sm90Config {
     using Elem = Elem_;
     using QkGemm = QkGemm_;
@@ -47,6 +47,10 @@ struct Sm90Config {
     // them to both, so each tile leaves L2 once for two SMs. A slot is refilled only when the
     // consumers of both CTAs have released it (their empty barriers count both CTAs' warps).
     static constexpr int kCluster = CLUSTER;
+    // KV_ALIGN 1 (kv ranges only): a tile's KV blocks start at its range's first key, not at the
+    // multiple of BLOCK_N below it, so only the tile's last block runs past the range: half a
+    // block less work per tile and range end on average (tile_work).
+    static constexpr bool kKvAlign = KV_ALIGN == 1;
     static constexpr int kConsumers = BLOCK_M / 64;          // one warpgroup per 64 query rows
     static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
     // Per-thread register budgets after setmaxnreg (FA3's: 24/240 for 2 consumers, 32/160 for 3).
