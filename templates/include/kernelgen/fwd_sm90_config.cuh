@@ -48,8 +48,8 @@ struct Sm90Config {
     // consumers of both CTAs have released it (their empty barriers count both CTAs' warps).
     static constexpr int kCluster = CLUSTER;
     // KV_ALIGN 1 (kv ranges only): a tile's KV blocks start at its range's first key, not at the
-    // multiple of BLOCK_N below it, so only the tile's last block runs past the range: half a
-    // block less work per tile and range end on average (tile_work).
+    // multiple of BLOCK_N below it, so only the tile's last block runs past the range: BLOCK_N / 2
+    // keys fewer per tile on average (tile_work).
     static constexpr bool kKvAlign = KV_ALIGN == 1;
     static constexpr int kConsumers = BLOCK_M / 64;          // one warpgroup per 64 query rows
     static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup

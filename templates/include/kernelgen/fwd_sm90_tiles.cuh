@@ -25,16 +25,15 @@ struct TileWork {
     }
 };
 
-// The keys [lo, hi) that rows row0 .. row0 + rows - 1 see between them: the sequence, causal's
-// diagonal and a kv range (whose bounds for a run of rows are its first row's lo and its last
-// row's hi). Not with a block mask, whose lists say it.
 struct KeyRange {
-    int lo, hi;
+    int lo, hi;   // keys lo .. hi - 1
 };
 
+// The keys that rows row0 .. row0 + rows - 1 see between them: the sequence, causal's diagonal
+// and the spec's kv range over those rows. Not with a block mask, whose lists say it.
 template <class C, class Mods>
 __device__ __forceinline__ KeyRange kv_keys(const FwdArgs<typename C::Elem>& a, const Mods& mods,
-                                        int row0, int rows, int batch, int head) {
+                                            int row0, int rows, int batch, int head) {
     int lo = 0, hi = a.seqlen_k;
     if constexpr (C::kCausal) hi = min(hi, row0 + rows + a.seqlen_k - a.seqlen_q);
     if constexpr (Mods::kKvRange) {
