@@ -1,5 +1,6 @@
 #!/bin/bash
-# Session 24's config_ab leads (PERF_NOTES §63), on the main tree; logs under $OUT.
+# config_ab leads on the main tree, one device call (LEADS="..." picks; logs under $OUT).
+# Sessions 24 (sched rescale bn pers align alignbn base: PERF_NOTES §64, §65) and 25's (below).
 export PYTHONPATH=.:tools PYTHONUNBUFFERED=1 KERNELGEN_CACHE_DIR=/tmp/kc_main
 L=${LEAD_T:-100}
 run() { local tag=$1; shift; timeout $L python3 tools/config_ab.py "$@" > "$OUT/lead_$tag.log" 2>&1
@@ -13,4 +14,9 @@ for lead in ${LEADS:-sched rescale bn pers}; do case $lead in
   align)   run align --mod packed --causal both --head-dims 64 128 --seqlens 4096 16384 --key kv_align --values 0 1 --rounds 5 ;;
   alignbn) run alignbn --mod packed --causal false --head-dims 128 --seqlens 4096 16384 --key block_n --values 144 128 160 --config '{"kv_align": 1}' ;;
   base)    (cd .ab/base && KERNELGEN_CACHE_DIR=/tmp/kc_base run base --mod packed --causal both --head-dims 64 128 --seqlens 4096 16384 --rounds 5) ;;
+  rescale8k) run rescale8k --causal true --head-dims 256 --seqlens 8192 --key rescale --values 1 0 --config '{"schedule": 2}' --rounds 5 ;;
+  docbn)   run docbn --mod document --causal false --head-dims 128 --seqlens 4096 --key block_n --values 128 144 160 --rounds 5 ;;
+  docsched) run docsched --mod document --causal both --head-dims 128 --seqlens 4096 --key schedule --values 1 2 --rounds 5 ;;
+  winbn)   run winbn --mod window --causal both --head-dims 128 --seqlens 4096 --key block_n --values 128 160 176 --config '{"kv_align": 1}' --rounds 5 ;;
+  pcausal) run pcausal --mod packed --causal true --head-dims 128 --seqlens 4096 16384 --key block_n --values 128 112 144 --rounds 5 ;;
 esac; done
