@@ -32,6 +32,21 @@ def test_mod_args_follow_the_tensor_maps(name):
     assert spec.space == BASE.space
 
 
+@pytest.mark.parametrize("name, aligns", [
+    ("flash_attn_packed", True), ("flash_attn_window", True),     # kv ranges
+    ("flash_attn_document", False), ("flash_attn_softcap", False), (None, False),
+])
+def test_kv_align_is_searched_only_where_a_kv_range_decides_the_blocks(name, aligns):
+    """kv_align 1 moves a kv range's blocks; a block mask's lists and the plain kernels have none
+    to move, so the tuner must not time those configs twice (`kv_ranged` in the constraints)."""
+    spec = ONTO[name] if name else BASE
+    variant = spec.variant(head_dim=128, dtype="bf16", causal=False)
+    values = {c.as_dict().get("kv_align", 0) for c in spec.tuned_configs(variant)}
+    assert values == ({0, 1} if aligns else {0})
+    config = spec.parse_config({**spec.default_config(variant).as_dict(), "kv_align": 1})
+    assert bool(spec.violations(variant, config)) != aligns
+
+
 def test_a_parsed_specs_hopper_spec_is_remembered(tmp_path):
     """forward_sm90 runs on every call: a KernelSpec's Hopper spec is parsed once, and a spec
     whose text changed (a new KernelSpec) gets its own."""
