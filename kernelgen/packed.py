@@ -59,7 +59,8 @@ def packed_ranges(doc_q: torch.Tensor, doc_k: torch.Tensor | None = None
 
 
 def varlen_ranges(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None = None,
-                  causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  causal: bool = False, window_size: tuple[int, int] = (-1, -1)
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention's varlen layout as flash_attn_packed's ranges: sequences packed into one
     of total_q tokens (q of shape (1, total_q, heads, head_dim)), sequence d holding the tokens
     cu_seqlens_q[d]:cu_seqlens_q[d + 1] and seeing the keys cu_seqlens_k[d]:cu_seqlens_k[d + 1]
@@ -70,18 +71,37 @@ def varlen_ranges(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None 
     t + len_k - len_q (none when that is negative); run the kernel with causal=False then. (The
     kernel's own causal=True masks the packed sequence as one, key j visible to query i when
     j <= i + total_k - total_q: each sequence's causal mask only when every sequence has as many
-    queries as keys.) cu_seqlens must be 1-D, start at 0 and never decrease (a ValueError names
-    the argument)."""
-    return _varlen(cu_seqlens_q, cu_seqlens_k, causal)[:2]
+    queries as keys.) window_size=(left, right) puts each sequence's sliding window in as well
+    (as flash_attn_func's, aligned bottom-right: query t sees its keys t + len_k - len_q - left ..
+    t + len_k - len_q + right; -1 leaves a side unbounded; causal makes right 0). cu_seqlens
+    must be 1-D, start at 0 and never decrease (a ValueError names the argument)."""
+    return _varlen(cu_seqlens_q, cu_seqlens_k, causal, window=window_size)[:2]
 
 
-def _varlen(cu_seqlens_q, cu_seqlens_k, causal, own_causal=False):
+def _window(window_size) -> tuple[int, int]:
+    """(left, right) of a window_size: ints, -1 for an unbounded side."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError("window_size must be a pair (left, right) of ints, "
+                         f"got {window_size!r}") from None
+    for side, bound in (("left", left), ("right", right)):
+        if isinstance(bound, bool) or not isinstance(bound, Integral) or bound < -1:
+            raise ValueError(f"window_size {side} must be an int >= -1 (-1: unbounded), "
+                             f"got {bound!r}")
+    return int(left), int(right)
+
+
+def _varlen(cu_seqlens_q, cu_seqlens_k, causal, own_causal=False, window=(-1, -1)):
     """varlen_ranges' (start, end), then what flash_attn_varlen_func checks as well: (total_q,
     total_k, longest_q, longest_k), all read from the GPU in one host sync, and whether the
     kernel is to run its own causal mask. own_causal: when causal and the offsets of queries and
     keys are the same (every sequence has as many queries as keys: training's case), leave the
     ranges unfolded and say so; the kernel's causal mask (key j visible to query i when j <= i)
-    is then each sequence's, and its causal variant's tuned configs apply (PERF_NOTES §44)."""
+    is then each sequence's, and its causal variant's tuned configs apply (PERF_NOTES §44).
+    window: (left, right) folded into the ranges as well (only its left side when the kernel's
+    causal mask stands for the right)."""
+    left, right = _window(window)
     cu_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_k)):
         if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 \
@@ -104,9 +124,17 @@ def _varlen(cu_seqlens_q, cu_seqlens_k, causal, own_causal=False):
     sequence = torch.searchsorted(cu_q[1:], tokens, right=True)   # each query's sequence
     start, end = cu_k[sequence], cu_k[sequence + 1]
     kernel_causal = bool(causal and own_causal and facts[8])
-    if causal and not kernel_causal:   # still non-decreasing along the tokens: an exact kv range
-        end = torch.minimum(end, start + (tokens - cu_q[sequence] + len_k[sequence]
-                                          - len_q[sequence] + 1).clamp_min(0))
+    if causal:
+        right = 0
+    if left >= 0 or (right >= 0 and not kernel_causal):
+        # Each bound clamped into the sequence's keys [start, end): both stay non-decreasing
+        # along the tokens (an exact kv range), and an empty range is [x, x) inside them.
+        diagonal = start + tokens - cu_q[sequence] + len_k[sequence] - len_q[sequence]
+        first, last = start, end
+        if left >= 0:
+            start = torch.minimum(torch.maximum(diagonal - left, first), last)
+        if right >= 0 and not kernel_causal:
+            end = torch.minimum(torch.maximum(diagonal + right + 1, start), last)
     return (start.to(torch.int32).view(1, total_q).contiguous(),
             end.to(torch.int32).view(1, total_q).contiguous(), *facts[4:8], kernel_causal)
 
@@ -120,17 +148,17 @@ _REMEMBERED: OrderedDict = OrderedDict()
 _REMEMBER = 4
 
 
-def _varlen_remembered(cu_q, cu_k, causal: bool):
+def _varlen_remembered(cu_q, cu_k, causal: bool, window: tuple[int, int]):
     cu_k = cu_q if cu_k is None else cu_k
     if not (isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor)
             and cu_q.is_cuda and cu_k.is_cuda):
-        return _varlen(cu_q, cu_k, causal, own_causal=True)
-    key, versions = (id(cu_q), id(cu_k), causal), (cu_q._version, cu_k._version)
+        return _varlen(cu_q, cu_k, causal, own_causal=True, window=window)
+    key, versions = (id(cu_q), id(cu_k), causal, window), (cu_q._version, cu_k._version)
     hit = _REMEMBERED.get(key)
     if hit is not None and hit[0] is cu_q and hit[1] is cu_k and hit[2] == versions:
         _REMEMBERED.move_to_end(key)
         return hit[3]
-    found = _varlen(cu_q, cu_k, causal, own_causal=True)
+    found = _varlen(cu_q, cu_k, causal, own_causal=True, window=window)
     _REMEMBERED[key] = (cu_q, cu_k, versions, found)
     while len(_REMEMBERED) > _REMEMBER:
         _REMEMBERED.popitem(last=False)
@@ -140,7 +168,7 @@ def _varlen_remembered(cu_q, cu_k, causal: bool):
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None,
                            max_seqlen_k=None, causal: bool = False,
                            softmax_scale: float | None = None, return_lse: bool = False,
-                           deterministic: bool = False):
+                           deterministic: bool = False, window_size: tuple[int, int] = (-1, -1)):
     """FlashAttention's varlen call: sequences of different lengths packed along one token axis,
     q (total_q, heads, head_dim), k and v (total_k, heads_k, head_dim), sequence d holding the
     queries cu_seqlens_q[d]:cu_seqlens_q[d + 1] and the keys cu_seqlens_k[d]:cu_seqlens_k[d + 1].
@@ -148,6 +176,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     flash_attn_func does. Returns out (like q) and, with return_lse, lse (heads, total_q) in
     float32; differentiable in q, k and v. max_seqlen_q / max_seqlen_k (FlashAttention sizes its
     grid with them) are not needed here; when given they must bound the longest sequence.
+    window_size=(left, right): each sequence's sliding window, as flash_attn_func's (aligned
+    bottom-right within the sequence; -1: an unbounded side), folded into the same ranges.
 
     It runs flash_attn_packed on varlen_ranges' key ranges (causal folded into them, unless
     queries and keys have the same offsets: then its causal variant), so a sequence's tiles see
@@ -160,7 +190,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
             raise ValueError(f"flash_attn_varlen_func: {name} must be a (total_tokens, heads, "
                              f"head_dim) tensor, got {_describe(x)}")
     start, end, total_q, total_k, longest_q, longest_k, kernel_causal = _varlen_remembered(
-        cu_seqlens_q, cu_seqlens_k, bool(causal))
+        cu_seqlens_q, cu_seqlens_k, bool(causal), _window(window_size))
     for name, x, total, longest, bound in (("q", q, total_q, longest_q, max_seqlen_q),
                                            ("k", k, total_k, longest_k, max_seqlen_k)):
         if x.shape[0] != total:

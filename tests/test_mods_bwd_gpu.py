@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 import torch
-from test_mods_gpu import packed_documents, same_offsets_problem, varlen_problem
+from test_mods_gpu import packed_documents, same_offsets_problem, varlen_mask, varlen_problem
 
 import kernelgen
 from kernelgen import backward, backward_sm90, env
@@ -165,6 +165,20 @@ def test_varlen_func(causal):
     def run(q, k, v):
         out, lse = kernelgen.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, causal=causal,
                                                     return_lse=True)
+        return out[None], lse[None]
+
+    check(run, q[None], k[None], v[None], mask_mod=lambda *_: visible)
+
+
+@pytest.mark.parametrize("causal, window", [(False, (40, 9)), (True, (70, -1))])
+def test_varlen_func_window(causal, window):
+    """Gradients through flash_attn_varlen_func's window_size (the ranges it folds)."""
+    (cu_q, cu_k), (q, k, v), _ = varlen_problem(128, causal)
+    visible = varlen_mask(cu_q, cu_k, causal, window)
+
+    def run(q, k, v):
+        out, lse = kernelgen.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, causal=causal,
+                                                    window_size=window, return_lse=True)
         return out[None], lse[None]
 
     check(run, q[None], k[None], v[None], mask_mod=lambda *_: visible)

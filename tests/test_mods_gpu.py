@@ -127,16 +127,23 @@ def test_varlen_sequences_as_ranges(causal):
     check(got, q, k, v, causal, mask_mod=lambda *_: same)
 
 
-def varlen_mask(cu_q, cu_k, causal):
+def varlen_mask(cu_q, cu_k, causal, window=(-1, -1)):
     """(1, 1, total_q, total_k): query i sees key j when both are in sequence d and, causal, j's
-    position in d is at most i's plus len_k - len_q (bottom-right)."""
+    position in d is at most i's plus len_k - len_q (bottom-right); a window (left, right)
+    bounds j's position on either side of that diagonal too."""
     tq, tk = (torch.arange(int(cu[-1]), device="cuda") for cu in (cu_q, cu_k))
     seq_q = torch.searchsorted(cu_q[1:], tq, right=True)
     seq_k = torch.searchsorted(cu_k[1:], tk, right=True)
     visible = seq_q[:, None] == seq_k[None, :]
+    diagonal = (tq - cu_q[seq_q] + (cu_k.diff() - cu_q.diff())[seq_q])[:, None]
+    key = (tk - cu_k[seq_k])[None, :]
+    left, right = window
     if causal:
-        pos_q = tq - cu_q[seq_q] + (cu_k.diff() - cu_q.diff())[seq_q]
-        visible &= (tk - cu_k[seq_k])[None, :] <= pos_q[:, None]
+        visible &= key <= diagonal
+    if left >= 0:
+        visible &= key >= diagonal - left
+    if right >= 0:
+        visible &= key <= diagonal + right
     return visible[None, None]
 
 
@@ -162,6 +169,27 @@ def test_varlen_func(causal, head_dim):
     out, lse = kernelgen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen_q=377,
                                                 max_seqlen_k=390, causal=causal, return_lse=True)
     assert out.shape == q.shape and lse.shape == (4, 777) and lse.dtype == torch.float32
+    check((out[None], lse[None]), q[None], k[None], v[None], mask_mod=lambda *_: visible)
+
+
+@pytest.mark.parametrize("causal, window", [(False, (40, 9)), (True, (70, -1)), (False, (-1, 0)),
+                                            (True, (0, 0))])
+def test_varlen_func_window(causal, window):
+    """flash_attn_varlen_func's window_size, folded into each sequence's range (test_packed
+    checks the ranges; here the kernel on them, rows that see nothing included)."""
+    (cu_q, cu_k), (q, k, v), _ = varlen_problem(128, causal)
+    visible = varlen_mask(cu_q, cu_k, causal, window)
+    out, lse = kernelgen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, causal=causal,
+                                                window_size=window, return_lse=True)
+    check((out[None], lse[None]), q[None], k[None], v[None], mask_mod=lambda *_: visible)
+
+
+def test_varlen_func_window_on_its_own_causal_kernel():
+    """Equal offsets, causal, a window: the kernel's causal variant with the left side folded."""
+    cu, (q, k, v), _ = same_offsets_problem(128)
+    visible = varlen_mask(cu, cu, True, (50, -1))
+    out, lse = kernelgen.flash_attn_varlen_func(q, k, v, cu, causal=True, window_size=(50, -1),
+                                                return_lse=True)
     check((out[None], lse[None]), q[None], k[None], v[None], mask_mod=lambda *_: visible)
 
 

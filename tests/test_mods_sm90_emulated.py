@@ -13,7 +13,7 @@ import torch
 from test_sm90_emulated import check, emulate, make
 
 from kernelgen import blockmask
-from kernelgen.packed import packed_ranges
+from kernelgen.packed import packed_ranges, varlen_ranges
 from kernelgen.spec import REPO_ROOT, load_spec
 
 pytestmark = pytest.mark.skipif(not emulate.available(), reason="the emulator needs g++")
@@ -129,6 +129,26 @@ def test_packed_causal_tail_after_the_sections(persistent):
     check(q, k, v, True, config=config(persistent=persistent), seed=3, lazy=True,
           spec=onto("flash_attn_packed"), mod_args={"doc_start": start, "doc_end": end},
           mask_mod=lambda *_: visible, l2_bytes=2 * 4 * seqlen * 64, tail_div=2)
+
+
+@pytest.mark.parametrize("causal, window, cfg", [
+    (False, (40, 9), config(persistent=1)),
+    (True, (70, -1), config(persistent=2, kv_align=1)),
+    (False, (-1, 0), config(192, 96, persistent=0, kv_align=1)),
+], ids=["40-9-persistent", "causal-70-dynamic-aligned", "right-0-3wg-aligned"])
+def test_varlen_window_as_ranges(causal, window, cfg):
+    """flash_attn_varlen_func's window: each sequence's sliding window folded into the ranges
+    (kernelgen.varlen_ranges), sequences of more queries than keys (rows that see nothing) and
+    more keys than queries, run as flash_attn_packed over the packed tokens (a batch of one)."""
+    cu_q = torch.tensor([0, 130, 131, 131, 400, 520])
+    cu_k = torch.tensor([0, 200, 200, 260, 300, 450])
+    q, k, v = qkv(1, 520, 450, 2, 1, 64)
+    start, end = varlen_ranges(cu_q, cu_k, causal=causal, window_size=window)
+    keys = torch.arange(450)
+    visible = ((keys >= start[:, :, None]) & (keys < end[:, :, None]))[:, None]
+    assert not visible.any(dim=-1).all()
+    check(q, k, v, False, config=cfg, seed=9, lazy=causal, spec=onto("flash_attn_packed"),
+          mod_args={"doc_start": start, "doc_end": end}, mask_mod=lambda *_: visible)
 
 
 @pytest.mark.parametrize("head_dim, cfg", [

@@ -74,15 +74,20 @@ def test_bad_offsets_name_the_argument(cu_q, cu_k, match):
         kernelgen.varlen_ranges(cu_q, cu_k)
 
 
-def varlen_mask(cu_q, cu_k, causal):
+def varlen_mask(cu_q, cu_k, causal, window=(-1, -1)):
     """Brute force: query i sees key j when both are in sequence d and, causal, j's position in
-    d is at most i's plus len_k - len_q (bottom-right)."""
+    d is at most i's plus len_k - len_q (bottom-right); a window bounds it on either side of
+    that diagonal too."""
+    left, right = window
     mask = torch.zeros(int(cu_q[-1]), int(cu_k[-1]), dtype=torch.bool)
     for d in range(len(cu_q) - 1):
         q0, q1, k0, k1 = int(cu_q[d]), int(cu_q[d + 1]), int(cu_k[d]), int(cu_k[d + 1])
         for t in range(q1 - q0):
-            last = k1 - k0 - 1 if not causal else t + (k1 - k0) - (q1 - q0)
-            mask[q0 + t, k0:k0 + max(0, min(last + 1, k1 - k0))] = True
+            diagonal = t + (k1 - k0) - (q1 - q0)
+            for j in range(k1 - k0):
+                mask[q0 + t, k0 + j] = ((not causal or j <= diagonal)
+                                        and (left < 0 or j >= diagonal - left)
+                                        and (right < 0 or j <= diagonal + right))
     return mask
 
 
@@ -119,6 +124,47 @@ def test_varlen_ranges_fold_each_sequences_causal_mask(causal):
     assert bool((end >= start).all())
     if causal:   # sequence 3 has 9 queries and 2 keys: bottom-right, its first 7 see none
         assert end[0, 6:13].tolist() == start[0, 6:13].tolist()
+
+
+@pytest.mark.parametrize("window", [(3, 0), (2, 1), (-1, 2), (0, 0), (4, -1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_ranges_fold_each_sequences_window(causal, window):
+    """A sliding window per sequence, aligned bottom-right as flash_attn_func's, over sequences
+    with more queries than keys (whose first rows see none) and more keys than queries."""
+    cu_q = torch.tensor([0, 5, 6, 6, 15, 18, 21])
+    cu_k = torch.tensor([0, 9, 10, 12, 14, 21, 21])
+    start, end = kernelgen.varlen_ranges(cu_q, cu_k, causal=causal, window_size=window)
+    assert torch.equal(mask_of(start, end, 21)[0], varlen_mask(cu_q, cu_k, causal, window))
+    assert bool((start.diff(dim=1) >= 0).all() and (end.diff(dim=1) >= 0).all())
+    assert bool((end >= start).all())
+
+
+def test_varlen_func_folds_only_the_left_side_for_its_own_causal_kernel():
+    """Equal offsets, causal: the kernel's causal mask stands for the window's right side, so
+    only the left one goes into the ranges (the right, unfolded, would be the sequence end)."""
+    from kernelgen.packed import _varlen
+
+    cu = torch.tensor([0, 5, 6, 6, 15, 21])
+    start, end, *_, kernel_causal = _varlen(cu, cu.clone(), True, own_causal=True, window=(2, 5))
+    assert kernel_causal and torch.equal(end, _varlen(cu, cu, False)[1])
+    tokens = torch.arange(21)
+    own = mask_of(start, end, 21)[0] & (tokens[None, :] <= tokens[:, None])
+    assert torch.equal(own, varlen_mask(cu, cu, True, (2, 0)))
+
+
+@pytest.mark.parametrize("window, match", [
+    ((-2, 0), "window_size left must be an int >= -1"),
+    ((1, 0.5), "window_size right must be an int >= -1"),
+    ((1, True), "window_size right must be an int"),
+    (3, "window_size must be a pair"),
+])
+def test_bad_windows_name_the_argument(window, match):
+    with pytest.raises(ValueError, match=match):
+        kernelgen.varlen_ranges(torch.tensor([0, 4, 6]), window_size=window)
+    with pytest.raises(ValueError, match=match):   # before any check of the tensors
+        kernelgen.flash_attn_varlen_func(torch.zeros(6, 2, 64), torch.zeros(6, 2, 64),
+                                         torch.zeros(6, 2, 64), torch.tensor([0, 4, 6]),
+                                         window_size=window)
 
 
 @pytest.mark.parametrize("args, error, match", [
