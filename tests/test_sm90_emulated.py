@@ -231,6 +231,21 @@ def test_persistent_causal_sections(q_buffers, persistent):
               seed=heads, lazy=q_buffers == 2, l2_bytes=budget_heads * 4 * 270 * 64)
 
 
+@pytest.mark.parametrize("block_n, schedule, tail_div", [(64, 2, 2), (128, 1, 4), (96, 0, 64)],
+                         ids=["skips-pingpong-tail2", "overlap", "plain-no-tail"])
+def test_causal_grid_in_the_dynamic_order(block_n, schedule, tail_div):
+    """grid_order 1: a CTA per causal tile, its blockIdx taken in launch order through the
+    dynamic schedule's order (sections of pairs longest first, then the short ranks over every
+    pair): every tile once (a tile left out stays NaN), with GQA 2, 3 query tiles per pair with a
+    ragged last one, 6 pairs in sections of 4 and 2 (a budget of two K/V heads' bytes)."""
+    torch.manual_seed(block_n)
+    q = make(1, 300, 6, 64)
+    k, v = (make(1, 270, 3, 64) for _ in range(2))
+    check(q, k, v, True, config={"block_m": 128, "block_n": block_n, "stages": 2,
+                                 "schedule": schedule, "persistent": 0, "grid_order": 1},
+          seed=block_n, lazy=schedule == 1, l2_bytes=2 * 4 * 270 * 64, tail_div=tail_div)
+
+
 def test_section_order_is_a_permutation(tmp_path):
     """tile_order.cuh's section_item, compiled with g++ as the kernels include it: for pair,
     rank, section and tail counts the schedules meet (one section, sections with a short last

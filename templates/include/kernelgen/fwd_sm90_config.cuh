@@ -13,7 +13,7 @@ namespace kg {
 // pingpong between the consumer warpgroups (see sm90_consume).
 template <class Elem_, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool CAUSAL,
           int SCHEDULE, int PERSISTENT, int Q_BUFFERS, int SUM_MMA, int RESCALE, int Q_SPLIT,
-          int CLUSTER, int KV_ALIGN, class QkGemm_, class PvGemm_>
+          int CLUSTER, int KV_ALIGN, int GRID_ORDER, class QkGemm_, class PvGemm_>
 struct Sm90Config {
     using Elem = Elem_;
     using QkGemm = QkGemm_;
@@ -51,6 +51,9 @@ struct Sm90Config {
     // multiple of BLOCK_N below it, so only the tile's last block runs past the range: BLOCK_N / 2
     // keys fewer per tile on average (tile_work).
     static constexpr bool kKvAlign = KV_ALIGN == 1;
+    // GRID_ORDER 1 (causal, a CTA per tile): blockIdx in launch order maps to the tiles in the
+    // dynamic schedule's order, not pair by pair (TileSchedule::at).
+    static constexpr bool kSectionedGrid = GRID_ORDER == 1;
     static constexpr int kConsumers = BLOCK_M / 64;          // one warpgroup per 64 query rows
     static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
     // Per-thread register budgets after setmaxnreg (FA3's: 24/240 for 2 consumers, 32/160 for 3).

@@ -136,6 +136,15 @@ struct TileSchedule {
     __device__ __forceinline__ int step() const { return C::kPersistent ? gridDim.x : 1; }
     __device__ __forceinline__ TileWork at(const FwdArgs<typename C::Elem>& a, int t) const {
         // t: the t-th item of the CTAs' round robin (first(), first() + step(), ...).
+        if constexpr (!C::kPersistent && C::kCausal && C::kSectionedGrid) {
+            // The GPU starts the CTAs in blockIdx order (x fastest) as SMs free up: like the
+            // dynamic schedule's claims, so the same order, with its tail of short ranks.
+            const int cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+            const SectionItem item = section_item(cta, gridDim.y * gridDim.z, m_blocks, section,
+                                                  m_blocks / KG_TAIL_RANKS_DIV);
+            return tile_work<C>(a, mods, m_blocks - 1 - item.rank, item.pair % heads,
+                                item.pair / heads);
+        }
         if constexpr (!C::kPersistent)
             return tile_work<C>(a, mods, C::kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x,
                                 blockIdx.y, blockIdx.z);
