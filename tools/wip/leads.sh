@@ -20,4 +20,5 @@ for lead in ${LEADS:-sched rescale bn pers}; do case $lead in
   winbn)   run winbn --mod window --causal both --head-dims 128 --seqlens 4096 --key block_n --values 128 160 176 --config '{"kv_align": 1}' --rounds 5 ;;
   pcausal) run pcausal --mod packed --causal true --head-dims 128 --seqlens 4096 16384 --key block_n --values 128 112 144 --rounds 5 ;;
   order)   run order --causal true --head-dims 64 128 192 256 --seqlens 2048 4096 8192 16384 --key grid_order --values 0 1 --rounds 5 ;;
+  pers8k)  run pers8k --causal true --head-dims 192 256 --seqlens 4096 8192 --key persistent --values 0 2 --rounds 5 ;;
 esac; done
