@@ -57,6 +57,15 @@ def test_grid_order_is_searched_only_for_causal_grids_of_a_cta_per_tile(causal):
     assert seen == ({(0, 0), (0, 1), (1, 0), (2, 0)} if causal else {(0, 0), (1, 0), (2, 0)})
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_half_diag_is_searched_only_for_causal_overlapped_schedules(causal):
+    variant = BASE.variant(head_dim=64, dtype="bf16", causal=causal)
+    seen = {(c.as_dict()["schedule"], c.as_dict().get("half_diag", 0))
+            for c in BASE.tuned_configs(variant)}
+    assert seen == ({(0, 0), (1, 0), (1, 1), (2, 0), (2, 1)} if causal
+                    else {(0, 0), (1, 0), (2, 0)})
+
+
 def test_a_parsed_specs_hopper_spec_is_remembered(tmp_path):
     """forward_sm90 runs on every call: a KernelSpec's Hopper spec is parsed once, and a spec
     whose text changed (a new KernelSpec) gets its own."""
@@ -172,7 +181,7 @@ def test_forward_sm90_launches_the_hopper_kernel_with_the_mod_args_last(no_gpu):
     (kernel, values, grid), = launches
     assert kernel.spec.name == "flash_attn_document__flash_attn_fwd_sm90"
     defaults = {"q_buffers": 1, "sum_mma": 0, "rescale": 0, "q_split": 0, "cluster": 1,
-                "kv_align": 0, "grid_order": 0}
+                "kv_align": 0, "grid_order": 0, "half_diag": 0}
     assert kernel.config.as_dict() == {**config, **defaults} and not problems   # explicit: no lookup
     assert grid == (5, 1, 1)   # persistent: min(3 query tiles * 4 heads * 2, sm_count)
     names = [a.name for a in kernel.spec.args]

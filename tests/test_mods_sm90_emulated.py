@@ -26,9 +26,9 @@ def onto(name):
     return load_spec(name, onto=BASE)
 
 
-def config(block_m=128, block_n=64, schedule=2, persistent=0, stages=2, kv_align=0):
+def config(block_m=128, block_n=64, schedule=2, persistent=0, stages=2, kv_align=0, half_diag=0):
     return {"block_m": block_m, "block_n": block_n, "stages": stages, "schedule": schedule,
-            "persistent": persistent, "kv_align": kv_align}
+            "persistent": persistent, "kv_align": kv_align, "half_diag": half_diag}
 
 
 def qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype=torch.bfloat16, scale=1.0):
@@ -46,8 +46,10 @@ def qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype=torch.bfloat1
     (96, torch.bfloat16, False, (1, 130, 300, 2, 2), config(128, 128, schedule=0, persistent=1), -2.0),
     (128, torch.bfloat16, False, (1, 200, 333, 4, 2), config(128, 128, schedule=1, persistent=1), 45.0),
     (64, torch.float16, True, (2, 250, 200, 2, 1), config(persistent=0), 6.0),
+    # half_diag: the diagonal block's upper S is -inf before the score_mod sees it.
+    (128, torch.bfloat16, True, (1, 300, 300, 2, 1), config(128, 128, 1, 2, half_diag=1), 45.0),
 ], ids=["hd128-causal-gqa", "hd64-fp16-3wg-persistent", "hd96-plain-schedule-persistent-negative",
-        "hd128-past-bound", "hd64-fp16-past-bound"])
+        "hd128-past-bound", "hd64-fp16-past-bound", "hd128-causal-half-diag"])
 def test_softcap(head_dim, dtype, causal, shape, cfg, cap):
     batch, seqlen_q, seqlen_k, heads, heads_k = shape
     # scores of q, k ~ N(0, 9) are far into a cap of 2; scale 12 puts some past 45
@@ -82,10 +84,11 @@ def window_mask(left, right, seqlen_q, seqlen_k):
     ((40, 30), False, (2, 150, 400, 2, 1), config(persistent=1, kv_align=1), False),
     ((70, 0), True, (1, 300, 430, 2, 2), config(persistent=2, kv_align=1), False),
     ((5, 3), True, (1, 260, 100, 1, 1), config(schedule=1, persistent=0, kv_align=1), True),
+    ((70, 0), True, (1, 300, 300, 2, 2), config(128, 128, persistent=1, half_diag=1), False),
 ], ids=["40-30-persistent", "70-0-causal", "0-0-empty-persistent", "5-3-causal-empty",
         "left-unbounded-schedule0", "0-0-empty-dynamic", "right-unbounded",
         "right-unbounded-causal-dynamic", "40-30-aligned", "70-0-causal-dynamic-aligned",
-        "5-3-causal-empty-aligned"])
+        "5-3-causal-empty-aligned", "70-0-causal-half-diag"])
 def test_sliding_window(window, causal, shape, cfg, empty_rows):
     batch, seqlen_q, seqlen_k, heads, heads_k = shape
     left, right = window
@@ -103,7 +106,12 @@ def test_sliding_window(window, causal, shape, cfg, empty_rows):
     (False, True, config(persistent=1), 64),
     (True, False, config(192, 96, persistent=0), 64),
     (True, True, config(128, 128, schedule=1, persistent=1, stages=3), 128),
-], ids=["per-head-causal-persistent", "per-batch-3wg", "per-batch-causal-overlap-persistent-hd128"])
+    # half_diag: the column terms put into S before a half QK^T, its upper half then -inf (on
+    # the GPU ptxas serializes this config's wgmma, C7511, so the tuner drops it; the logic is
+    # the same for the configs it keeps).
+    (False, True, config(128, 128, schedule=2, persistent=2, half_diag=1), 128),
+], ids=["per-head-causal-persistent", "per-batch-3wg", "per-batch-causal-overlap-persistent-hd128",
+        "per-head-causal-half-diag-hd128"])
 def test_alibi(per_batch, causal, cfg, head_dim):
     batch, seqlen_q, seqlen_k, heads, heads_k = 2, 170, 290, 4, 2
     q, k, v = qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, torch.float16)
@@ -237,8 +245,10 @@ def test_tutorial_prefix_lm(prefix, cfg):
     (128, False, config(persistent=1, kv_align=1)),
     (128, True, config(128, 64, schedule=1, persistent=0, kv_align=1)),
     (64, False, config(192, 96, persistent=2, kv_align=1)),
+    (128, True, config(128, 128, schedule=2, persistent=2, kv_align=1, half_diag=1)),
 ], ids=["full-persistent", "causal-overlap", "hd64-3wg", "full-pingpong-dynamic-64",
-        "full-persistent-aligned", "causal-overlap-aligned", "hd64-3wg-dynamic-aligned"])
+        "full-persistent-aligned", "causal-overlap-aligned", "hd64-3wg-dynamic-aligned",
+        "causal-aligned-half-diag"])
 def test_packed_documents_as_an_exact_kv_range(head_dim, causal, cfg):
     """flash_attn_packed: packed documents as per-token key ranges read by an exact kv range: 230
     queries, so the last tile's padding rows evaluate the range (clamped into the sequence:

@@ -30,18 +30,18 @@ NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def emulated_wgmma(text: str) -> str:
-    """The template's two inline-PTX wgmma wrappers, as calls into the emulator."""
+    """The template's three inline-PTX wgmma wrappers, as calls into the emulator."""
     def replace(match):
         name, n, rest = match.group(1), int(match.group(2)) * 2, match.group(3)
-        if name == "QkGemm":  # (d, desc_q, desc_k, scale_d): SS, both K-major
+        if name != "PvGemm":  # (d, desc_q, desc_k, scale_d): SS, both K-major (Half: N / 2)
             call = f"emu::wgmma<elem_t>(d, {n}, desc_q, nullptr, desc_k, scale_d != 0, false)"
         else:                 # (d, p, desc_v): RS, V MN-major
             call = f"emu::wgmma<elem_t>(d, {n}, 0, p, desc_v, true, true)"
         return f"struct {name} {{\n    static void mma(float (&d)[{n // 2}], {rest}) {{ {call}; }}\n}};"
 
-    pattern = r"struct (QkGemm|PvGemm) \{\n.*?mma\(float \(&d\)\[(\d+)\], (.*?)\) \{.*?\n\};"
+    pattern = r"struct (QkGemm|QkGemmHalf|PvGemm) \{\n.*?mma\(float \(&d\)\[(\d+)\], (.*?)\) \{.*?\n\};"
     text, count = re.subn(pattern, replace, text, flags=re.S)
-    assert count == 2, "the template's wgmma wrappers changed shape"
+    assert count == 3, "the template's wgmma wrappers changed shape"
     return text
 
 
@@ -229,6 +229,40 @@ def test_persistent_causal_sections(q_buffers, persistent):
         check(q, k, v, True, config={"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2,
                                      "persistent": persistent, "q_buffers": q_buffers},
               seed=heads, lazy=q_buffers == 2, l2_bytes=budget_heads * 4 * 270 * 64)
+
+
+@pytest.mark.parametrize("head_dim, shape, config, lazy", [
+    # Square tiles: warpgroup 0's diagonal block is half seen; ragged last tile, GQA, dynamic.
+    (128, (1, 300, 300, 2, 1), {"block_m": 128, "block_n": 128, "schedule": 1, "persistent": 2,
+                                "q_buffers": 2}, False),
+    (64, (2, 260, 260, 2, 2), {"block_m": 128, "block_n": 128, "schedule": 2, "persistent": 1,
+                               "q_buffers": 2}, True),
+    # More keys than queries (warpgroup 0's first block wholly past its rows: square tiles do
+    # not skip it, so half of it runs) and fewer (warpgroup 1's half too).
+    (64, (1, 200, 264, 1, 1), {"block_m": 128, "block_n": 128, "schedule": 1, "persistent": 0,
+                               "rescale": 1}, False),
+    (64, (1, 300, 236, 2, 1), {"block_m": 128, "block_n": 128, "schedule": 2, "persistent": 0},
+     True),
+    # Three consumers, 112-key blocks (N = 56); 64-key blocks with the warpgroups' skips; a tile
+    # of one block (its P V the tail's).
+    (64, (1, 250, 250, 2, 1), {"block_m": 192, "block_n": 112, "schedule": 2, "persistent": 2,
+                               "q_buffers": 2, "sum_mma": 1}, False),
+    (128, (1, 257, 257, 1, 1), {"block_m": 128, "block_n": 64, "schedule": 2, "persistent": 1},
+     True),
+    (96, (1, 100, 100, 2, 2), {"block_m": 128, "block_n": 128, "schedule": 1, "persistent": 0},
+     False),
+], ids=["square-dynamic", "square-pingpong-fp", "more-keys", "fewer-keys", "3wg-112",
+        "skips-64", "one-block-64b-swizzle"])
+def test_half_diagonal_blocks(head_dim, shape, config, lazy):
+    """half_diag 1: a warpgroup's diagonal block whose upper half none of its rows sees runs S
+    (an m64n{N/2} wgmma, the rest of S -inf) and P V over its lower half."""
+    batch, seqlen_q, seqlen_k, heads, heads_k = shape
+    dtype = torch.float16 if lazy else torch.bfloat16
+    torch.manual_seed(seqlen_q + seqlen_k)
+    q = make(batch, seqlen_q, heads, head_dim, dtype)
+    k, v = (make(batch, seqlen_k, heads_k, head_dim, dtype) for _ in range(2))
+    check(q, k, v, True, config={"stages": 2, **config, "half_diag": 1}, seed=seqlen_q,
+          lazy=lazy)
 
 
 @pytest.mark.parametrize("block_n, schedule, tail_div", [(64, 2, 2), (128, 1, 4), (96, 0, 64)],

@@ -1,5 +1,5 @@
 // Generated from specs/flash_attn_fwd_sm90.yaml by `kernelgen render --generated`; do not edit.
-// flash_attn_fwd_sm90__head_dim128_dtypebf16_causal1__sm_90a__block_m128_block_n128_stages2_schedule2_persistent0_q_buffers1_sum_mma0_rescale0_q_split0_cluster1_kv_align0_grid_order0
+// flash_attn_fwd_sm90__head_dim128_dtypebf16_causal1__sm_90a__block_m128_block_n128_stages2_schedule2_persistent0_q_buffers1_sum_mma0_rescale0_q_split0_cluster1_kv_align0_grid_order0_half_diag0
 // flash_attn_fwd_sm90: exact attention forward for Hopper, TMA + mbarriers + wgmma (kernelgen/flash_fwd_sm90.cuh).
 //   O[b, i, h, :] = sum_j softmax_j(scale * Q[b, i, h, :] . K[b, j, h / (heads / heads_k), :]) V[b, j, ...]
 //   LSE[b, h, i]  = logsumexp_j(scale * Q[b, i, h, :] . K[b, j, ...])      (natural log, fp32)
@@ -10,7 +10,7 @@
 // A spec's mods (score_mod, mask_mod, kv_range; their arguments follow the tensor maps) are
 // applied as in the sm80 family; without mods the Mods struct below switches everything off.
 // Variant: head_dim=128 dtype=bf16 causal=true arch=sm_90a
-// Config:  block_m=128 block_n=128 stages=2 schedule=2 persistent=0 q_buffers=1 sum_mma=0 rescale=0 q_split=0 cluster=1 kv_align=0 grid_order=0
+// Config:  block_m=128 block_n=128 stages=2 schedule=2 persistent=0 q_buffers=1 sum_mma=0 rescale=0 q_split=0 cluster=1 kv_align=0 grid_order=0 half_diag=0
 #include "kernelgen/flash_fwd_sm90.cuh"
 
 using elem_t = kg::bf16_t;
@@ -41,6 +41,28 @@ struct QkGemm {
               "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
               "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
               "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+            : "l"(desc_q), "l"(desc_k), "r"(scale_d));
+    }
+};
+
+// The same over the block's first 64 keys only: a causal diagonal block whose upper half no
+// row of the warpgroup sees (the S accumulators of the other half are left as they were).
+struct QkGemmHalf {
+    __device__ __forceinline__ static void mma(float (&d)[32], kg::u64 desc_q, kg::u64 desc_k,
+                                               int scale_d) {
+        asm volatile(
+            "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
+            " wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+            "%0, %1, %2, %3, %4, %5, %6, %7, "
+            "%8, %9, %10, %11, %12, %13, %14, %15, "
+            "%16, %17, %18, %19, %20, %21, %22, %23, "
+            "%24, %25, %26, %27, %28, %29, %30, %31"
+            "}, %32, %33, p, 1, 1, 0, 0;\n}"
+            :
+              "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
             : "l"(desc_q), "l"(desc_k), "r"(scale_d));
     }
 };
@@ -81,7 +103,8 @@ using Config = kg::Sm90Config<elem_t, /*HEAD_DIM=*/128, /*BLOCK_M=*/128,
                               /*Q_BUFFERS=*/1, /*SUM_MMA=*/0,
                               /*RESCALE=*/0, /*Q_SPLIT=*/0,
                               /*CLUSTER=*/1, /*KV_ALIGN=*/0,
-                              /*GRID_ORDER=*/0, QkGemm, PvGemm>;
+                              /*GRID_ORDER=*/0,
+                              /*HALF_DIAG=*/0, QkGemm, QkGemmHalf, PvGemm>;
 static_assert(Config::kSmemBytes == 164944, "spec's smem formula disagrees with the kernel");
 static_assert(Config::kThreads == 384, "spec's thread count disagrees with the kernel");
 static_assert(Config::kSwizzle == 128, "the host's tensor maps use the spec's swizzle");

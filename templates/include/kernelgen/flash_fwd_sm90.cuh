@@ -136,27 +136,35 @@ __device__ __forceinline__ u32 panel_offset(int rows, int row, int col) {
 // ---- the steps of one consumer warpgroup ----------------------------------------------------
 
 // S = Q K^T for one KV block, issued and committed as one wgmma group (head_dim / 16 k-steps; the
-// first overwrites S). desc_k is the block's stage.
-template <class C>
+// first overwrites S). desc_k is the block's stage. kHalf: over the block's first BLOCK_N / 2
+// keys only (QkGemmHalf, the first BLOCK_N / 4 accumulators; K's rows are the same from its
+// first on), for a causal diagonal block whose upper half no row of the warpgroup sees; the
+// caller sets the other accumulators first (before its wgmma fence: C7515 otherwise).
+template <class C, bool kHalf = false>
 __device__ __forceinline__ void issue_qk(float (&acc_s)[C::kBlockN / 2], u64 desc_q, u64 desc_k,
                                          bool accumulate = false) {
     #pragma unroll
     for (int kk = 0; kk < C::kHeadDim / 16; ++kk) {
         const int panel = kk / C::kStepsPerPanel, step = kk % C::kStepsPerPanel;
-        C::QkGemm::mma(acc_s, desc_q + ((panel * C::kBlockM * C::kSwizzle + step * 32) >> 4),
-                       desc_k + ((panel * C::kBlockN * C::kSwizzle + step * 32) >> 4),
-                       kk > 0 || accumulate);
+        const u64 q = desc_q + ((panel * C::kBlockM * C::kSwizzle + step * 32) >> 4);
+        const u64 k = desc_k + ((panel * C::kBlockN * C::kSwizzle + step * 32) >> 4);
+        if constexpr (kHalf)
+            C::QkGemmHalf::mma(reinterpret_cast<float (&)[C::kBlockN / 4]>(acc_s), q, k,
+                               kk > 0 || accumulate);
+        else
+            C::QkGemm::mma(acc_s, q, k, kk > 0 || accumulate);
     }
     wgmma_commit();
 }
 
 // O += P V for one KV block, one wgmma group: BLOCK_N / 16 k-steps of 16 V rows (16 * SWIZZLE
-// bytes) each. P is read from registers while it runs: it must not change until the group is done.
-template <class C>
+// bytes) each (kHalf: those of the block's first BLOCK_N / 2 keys, P being 0 past them). P is
+// read from registers while it runs: it must not change until the group is done.
+template <class C, bool kHalf = false>
 __device__ __forceinline__ void issue_pv(float (&acc_o)[C::kAccO],
                                          const u32 (&p)[C::kBlockN / 16][4], u64 desc_v) {
     #pragma unroll
-    for (int kk = 0; kk < C::kBlockN / 16; ++kk)
+    for (int kk = 0; kk < (kHalf ? cdiv(C::kBlockN / 2, 16) : C::kBlockN / 16); ++kk)
         C::PvGemm::mma(acc_o, p[kk], desc_v + ((kk * 16 * C::kSwizzle) >> 4));
     wgmma_commit();
 }
@@ -283,9 +291,28 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         return C::kSumMma ? stepped - ((stepped - desc) << 16) : stepped;
     };
     const auto col0 = [&w, skip](int i) { return w.col0(i + skip, C::kBlockN); };
+    // half_diag (causal): the warpgroup's first block is the diagonal's; where its upper half of
+    // keys lies past every one of the warpgroup's rows' diagonal (square tiles: warpgroup 0's,
+    // a quarter of the tile's tensor work at 512 keys), S and P V of that block run over its
+    // lower half only (issue_qk, issue_pv). Lane 0's test, so that ptxas sees the branches
+    // around the wgmma as warp-uniform.
+    constexpr bool kHalfDiag = C::kHalfDiag && C::kCausal && C::kSchedule != 0 &&
+                               !Mods::kBlockSparse;
+    bool half0 = false;
+    if constexpr (kHalfDiag) {
+        const int last_diagonal = wg_row0 + 63 + a.seqlen_k - a.seqlen_q;  // its last row's
+        half0 = __shfl_sync(0xffffffffu, col0(0) + C::kBlockN / 2 > last_diagonal, 0);
+    }
 
     float acc_o[kAccO], acc_s[kAccS], alpha[2];
     u32 p[C::kBlockN / 16][4];
+    // O += P V of block i (half_diag: the first block's lower half, its upper P being 0).
+    const auto pv = [&](int i) {
+        if (kHalfDiag && i == 0 && half0)
+            issue_pv<C, true>(acc_o, p, stage_desc_v(desc_v, i));
+        else
+            issue_pv<C>(acc_o, p, stage_desc_v(desc_v, i));
+    };
     #pragma unroll
     for (int i = 0; i < kAccO; ++i) acc_o[i] = 0.f;
     float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};
@@ -385,7 +412,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             mbarrier_wait(bar.full_v(stage(i)), parity(i));
             fence_pv_operands();
             wgmma_fence();
-            issue_pv<C>(acc_o, p, stage_desc_v(desc_v, i));
+            pv(i);
             wgmma_wait<0>();
             fence_operands(acc_o);
             release_kv_slot<C>(bar.empty_v(stage(i)), lane);
@@ -397,20 +424,33 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         // (FA3 rescales O in the S group's shadow, after its issue: measured no faster here, and
         // a 4-byte spill in the document spec's hd256 causal variant; PERF_NOTES §16.)
         mbarrier_wait(bar.full_k(stage(0)), parity(0));
-        if constexpr (kBiasInit) init_bias_columns<C>(acc_s, bias, col0(0));
-        turns.acquire();
-        fence_operands(acc_s);
-        wgmma_fence();
-        issue_qk<C>(acc_s, desc_q, stage_desc(desc_k, 0), kBiasInit);
-        turns.release(false);
-        const int c00 = early_col0(0);
-        const ModBits<C> bits0 = mask_bits(0, c00);
-        wgmma_wait<0>();
-        finish_qk(0, c00, bits0);
-        // O is 0: alpha unused
-        softmax(alpha);
-        release_previous_q();
-        pack_p<C>(p, acc_s);
+        // Block 0 up to its P, whole or (half_diag) over its lower half. The two are separate
+        // copies up to P, so that no S accumulator leaves a wgmma on one path and a move on the
+        // other (ptxas then serialized every wgmma: C7511).
+        const auto first_block = [&](auto half) {
+            if constexpr (kBiasInit) init_bias_columns<C>(acc_s, bias, col0(0));
+            if constexpr (decltype(half)::value) {
+                #pragma unroll
+                for (int k = C::kBlockN / 4; k < C::kBlockN / 2; ++k) acc_s[k] = neg_inf();
+            }
+            turns.acquire();
+            fence_operands(acc_s);
+            wgmma_fence();
+            issue_qk<C, decltype(half)::value>(acc_s, desc_q, stage_desc(desc_k, 0), kBiasInit);
+            turns.release(false);
+            const int c00 = early_col0(0);
+            const ModBits<C> bits0 = mask_bits(0, c00);
+            wgmma_wait<0>();
+            finish_qk(0, c00, bits0);
+            // O is 0: alpha unused
+            softmax(alpha);
+            release_previous_q();
+            pack_p<C>(p, acc_s);
+        };
+        if (kHalfDiag && half0)
+            first_block(Bool<true>{});
+        else
+            first_block(Bool<false>{});
         for (int i = 1; i < n_blocks; ++i) {
             mbarrier_wait(bar.full_k(stage(i)), parity(i));
             if constexpr (kBiasInit) init_bias_columns<C>(acc_s, bias, col0(i));
@@ -421,7 +461,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             issue_qk<C>(acc_s, desc_q, stage_desc(desc_k, i), kBiasInit);
             if constexpr (C::kRescaleEarly) rescale(alpha);  // block i - 1's alpha
             mbarrier_wait(bar.full_v(stage(i - 1)), parity(i - 1));
-            issue_pv<C>(acc_o, p, stage_desc_v(desc_v, i - 1));
+            pv(i - 1);
             turns.release(false);
             const int c0 = early_col0(i);
             const ModBits<C> bits = mask_bits(i, c0);
@@ -442,7 +482,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         turns.acquire();
         fence_pv_operands();
         wgmma_fence();
-        issue_pv<C>(acc_o, p, stage_desc_v(desc_v, last));
+        pv(last);
         final_turn = is_final();
         turns.release(skipped.trail == 0 && final_turn);  // else the last trailing turn's
         wgmma_wait<0>();

@@ -6,17 +6,26 @@
 
 namespace kg {
 
-// QkGemm::mma(float (&)[BLOCK_N / 2], u64 desc_q, u64 desc_k, int accumulate) and
-// PvGemm::mma(float (&)[HEAD_DIM / 2], const u32 (&p)[4], u64 desc_v): one k16 step each, rendered
-// by the template for this variant's N.
+// A compile-time bool as a value: a generic lambda's way to take one (C++17; no std headers
+// under NVRTC).
+template <bool V>
+struct Bool {
+    static constexpr bool value = V;
+};
+
+// QkGemm::mma(float (&)[BLOCK_N / 2], u64 desc_q, u64 desc_k, int accumulate), QkGemmHalf::mma
+// (the same with N = BLOCK_N / 2) and PvGemm::mma(float (&)[HEAD_DIM / 2], const u32 (&p)[4],
+// u64 desc_v): one k16 step each, rendered by the template for this variant's N.
 // SCHEDULE 0: plain (QK^T, softmax, PV in turn); 1: intra-warpgroup overlap; 2: overlap plus
 // pingpong between the consumer warpgroups (see sm90_consume).
 template <class Elem_, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool CAUSAL,
           int SCHEDULE, int PERSISTENT, int Q_BUFFERS, int SUM_MMA, int RESCALE, int Q_SPLIT,
-          int CLUSTER, int KV_ALIGN, int GRID_ORDER, class QkGemm_, class PvGemm_>
+          int CLUSTER, int KV_ALIGN, int GRID_ORDER, int HALF_DIAG, class QkGemm_, class QkGemmHalf_,
+          class PvGemm_>
 struct Sm90Config {
     using Elem = Elem_;
     using QkGemm = QkGemm_;
+    using QkGemmHalf = QkGemmHalf_;
     using PvGemm = PvGemm_;
     static constexpr int kHeadDim = HEAD_DIM, kBlockM = BLOCK_M, kBlockN = BLOCK_N;
     static constexpr int kStages = STAGES;
@@ -54,6 +63,9 @@ struct Sm90Config {
     // GRID_ORDER 1 (causal, a CTA per tile): blockIdx in launch order maps to the tiles in the
     // dynamic schedule's order, not pair by pair (TileSchedule::at).
     static constexpr bool kSectionedGrid = GRID_ORDER == 1;
+    // HALF_DIAG 1 (causal, overlapped schedules): a warpgroup's diagonal block whose upper half
+    // its rows do not see runs S and P V over the lower half only (QkGemmHalf; sm90_consume).
+    static constexpr bool kHalfDiag = HALF_DIAG == 1;
     static constexpr int kConsumers = BLOCK_M / 64;          // one warpgroup per 64 query rows
     static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
     // Per-thread register budgets after setmaxnreg (FA3's: 24/240 for 2 consumers, 32/160 for 3).
