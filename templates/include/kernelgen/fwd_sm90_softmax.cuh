@@ -18,8 +18,9 @@ template <> struct MaxScoreBound<half_t> { static constexpr float value = 4.5f; 
 // the tile): row_max holds the bound B for good, so P = exp2(S * c - B * c), alpha = 1 and no max
 // is taken; the caller then skips O's rescale. kShift: row h's scores are acc_s + shift[h] (a
 // distance bias's row terms, DistanceBias), added to the row's max and exp2's offset rather
-// than to each score.
-template <class C, bool kShift = false>
+// than to each score. kPairs < BLOCK_N / 8 (half_diag): only the first kPairs 8-column groups
+// hold scores, the rest are masked; their P is 0 without an exp2.
+template <class C, bool kShift = false, int kPairs = C::kBlockN / 8>
 __device__ __forceinline__ void softmax_step(float (&acc_s)[C::kBlockN / 2], float (&row_max)[2],
                                              float (&row_sum)[2], float scale_log2,
                                              float (&alpha)[2], bool fixed = false,
@@ -28,8 +29,12 @@ __device__ __forceinline__ void softmax_step(float (&acc_s)[C::kBlockN / 2], flo
     // then a tree: one chain of dependent FMNMX made every exp2 wait out block_n / 8 FMNMX
     // latencies (PERF_NOTES §30: hd64 +1-5% at >= 4k). The sum stays one chain: it runs behind
     // the MUFU.EX2 that feed it, and split into parts it measured 1-3% slower at hd64.
-    constexpr int kParts = 4, kPairs = C::kBlockN / 8;
-    static_assert(kPairs >= kParts, "block_n >= 32");
+    constexpr int kParts = 4;
+    static_assert(kPairs >= kParts, "block_n >= 32 (half_diag: >= 64)");
+    #pragma unroll
+    for (int i = kPairs; i < C::kBlockN / 8; ++i)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) acc_s[4 * i + e] = 0.f;
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
         float m_scaled;
