@@ -280,6 +280,18 @@ def test_causal_grid_in_the_dynamic_order(block_n, schedule, tail_div):
           seed=block_n, lazy=schedule == 1, l2_bytes=2 * 4 * 270 * 64, tail_div=tail_div)
 
 
+def test_causal_grid_in_the_dynamic_order_with_empty_tiles():
+    """grid_order 1 with 600 queries against 130 keys: the first three query tiles of each pair
+    see no key, and their CTAs (wherever the order puts them) write zeros and -inf only."""
+    torch.manual_seed(600)
+    q = make(2, 600, 2, 64)
+    k, v = (make(2, 130, 1, 64) for _ in range(2))
+    lse = check(q, k, v, True, config={"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2,
+                                       "persistent": 0, "grid_order": 1, "half_diag": 1},
+                seed=600, l2_bytes=4 * 130 * 64, tail_div=2)
+    assert torch.all(lse[:, :, :384] == float("-inf"))
+
+
 def test_section_order_is_a_permutation(tmp_path):
     """tile_order.cuh's section_item, compiled with g++ as the kernels include it: for pair,
     rank, section and tail counts the schedules meet (one section, sections with a short last
