@@ -22,4 +22,5 @@ for lead in ${LEADS:-sched rescale bn pers}; do case $lead in
   order)   run order --causal true --head-dims 64 128 192 256 --seqlens 2048 4096 8192 16384 --key grid_order --values 0 1 --rounds 5 ;;
   pers8k)  run pers8k --causal true --head-dims 192 256 --seqlens 4096 8192 --key persistent --values 0 2 --rounds 5 ;;
   half)    run half --causal true --head-dims 64 128 --seqlens 512 1024 2048 4096 --key half_diag --values 0 1 --rounds 5 ;;
+  halfmods) for m in window packed softcap; do run half_$m --mod $m --causal true --head-dims 128 --seqlens 4096 --key half_diag --values 0 1 --rounds 5; done ;;
 esac; done
