@@ -48,22 +48,26 @@ def test_kv_align_is_searched_only_where_a_kv_range_decides_the_blocks(name, ali
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_grid_order_is_searched_only_for_causal_grids_of_a_cta_per_tile(causal):
+def test_grid_order_is_valid_only_for_causal_grids_of_a_cta_per_tile(causal):
     """grid_order 1 reorders a causal grid's tiles; persistent configs have their own order and
-    non-causal tiles are all alike, so the tuner must not time those configs twice."""
+    non-causal tiles are all alike, so those configs would be the same kernels twice."""
     variant = BASE.variant(head_dim=128, dtype="bf16", causal=causal)
     seen = {(c.as_dict()["persistent"], c.as_dict().get("grid_order", 0))
-            for c in BASE.tuned_configs(variant)}
+            for c in BASE.valid_configs(variant)}
     assert seen == ({(0, 0), (0, 1), (1, 0), (2, 0)} if causal else {(0, 0), (1, 0), (2, 0)})
+    # Not searched until measured (tune.skip).
+    assert all(c.as_dict().get("grid_order", 0) == 0 for c in BASE.tuned_configs(variant))
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_half_diag_is_searched_only_for_causal_overlapped_schedules(causal):
+def test_half_diag_is_valid_only_for_causal_overlapped_schedules(causal):
     variant = BASE.variant(head_dim=64, dtype="bf16", causal=causal)
     seen = {(c.as_dict()["schedule"], c.as_dict().get("half_diag", 0))
-            for c in BASE.tuned_configs(variant)}
+            for c in BASE.valid_configs(variant)}
     assert seen == ({(0, 0), (1, 0), (1, 1), (2, 0), (2, 1)} if causal
                     else {(0, 0), (1, 0), (2, 0)})
+    # Not searched until measured (tune.skip).
+    assert all(c.as_dict().get("half_diag", 0) == 0 for c in BASE.tuned_configs(variant))
 
 
 def test_a_parsed_specs_hopper_spec_is_remembered(tmp_path):
