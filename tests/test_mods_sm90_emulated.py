@@ -123,18 +123,20 @@ def test_alibi(per_batch, causal, cfg, head_dim):
           score_mod=lambda s, b, h, i, j: s - s4 * (i + shift - j).abs().float())
 
 
-@pytest.mark.parametrize("persistent", [1, 2], ids=["static", "dynamic"])
-def test_packed_causal_tail_after_the_sections(persistent):
+@pytest.mark.parametrize("persistent, extra", [(1, {}), (2, {}), (0, {"grid_order": 1})],
+                         ids=["static", "dynamic", "grid-in-the-dynamic-order"])
+def test_packed_causal_tail_after_the_sections(persistent, extra):
     """A kv range's persistent causal order: sections of pairs, longest rank first, and the
     shortest ranks (m_blocks / KG_TAIL_RANKS_DIV, here 2 of 5) after every section, over all
-    pairs (TileSchedule): each tile once, whatever the order (a tile left out stays NaN)."""
+    pairs (TileSchedule), and a CTA per tile taking that order (grid_order 1): each tile once,
+    whatever the order (a tile left out stays NaN)."""
     batch, seqlen, heads = 2, 600, 3
     q, k, v = qkv(batch, seqlen, seqlen, heads, heads, 64)
     torch.manual_seed(13)
     start, end = packed_ranges(documents(batch, seqlen, 4))
     keys = torch.arange(seqlen)
     visible = ((keys >= start[:, :, None]) & (keys < end[:, :, None]))[:, None]
-    check(q, k, v, True, config=config(persistent=persistent), seed=3, lazy=True,
+    check(q, k, v, True, config={**config(persistent=persistent), **extra}, seed=3, lazy=True,
           spec=onto("flash_attn_packed"), mod_args={"doc_start": start, "doc_end": end},
           mask_mod=lambda *_: visible, l2_bytes=2 * 4 * seqlen * 64, tail_div=2)
 

@@ -251,8 +251,11 @@ def test_persistent_causal_sections(q_buffers, persistent):
      True),
     (96, (1, 100, 100, 2, 2), {"block_m": 128, "block_n": 128, "schedule": 1, "persistent": 0},
      False),
+    # Each warpgroup's rows of Q on their own barriers; a CTA per tile in the dynamic order.
+    (128, (2, 300, 300, 2, 1), {"block_m": 128, "block_n": 128, "schedule": 2, "persistent": 0,
+                                "q_split": 1, "grid_order": 1}, True),
 ], ids=["square-dynamic", "square-pingpong-fp", "more-keys", "fewer-keys", "3wg-112",
-        "skips-64", "one-block-64b-swizzle"])
+        "skips-64", "one-block-64b-swizzle", "q-split-grid-order"])
 def test_half_diagonal_blocks(head_dim, shape, config, lazy):
     """half_diag 1: a warpgroup's diagonal block whose upper half none of its rows sees runs S
     (an m64n{N/2} wgmma, the rest of S -inf) and P V over its lower half."""
