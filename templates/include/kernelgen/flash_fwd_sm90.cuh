@@ -360,14 +360,16 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             return ModBits<C>{};
     };
     // After the wait for S of block i: its K slot is free; the mods rewrite and mask S.
-    const auto finish_qk = [&](int i, int early, const ModBits<C>& bits) {
+    // (half: half_diag's first block, whose upper half is -inf already: no score_mod there.)
+    const auto finish_qk = [&](int i, int early, const ModBits<C>& bits, auto half) {
         fence_operands(acc_s);
         release_kv_slot<C>(bar.empty_k(stage(i)), lane);
         const int c0 = block_col0(i, early);
         if constexpr (Mods::kDistanceSlopes)
             bias_scores<C>(acc_s, shift, a, mods, bias, w, c0, lane_row);
         else if constexpr (Mods::kScoreMod)
-            modify_scores<C>(acc_s, a, mods, w, c0, lane_row);
+            modify_scores<C, Mods, C::kBlockN / (decltype(half)::value ? 16 : 8)>(
+                acc_s, a, mods, w, c0, lane_row);
         mask_scores<C>(acc_s, a, mods, w, bits, c0, wg_row0, lane_row);
     };
     const auto softmax = [&](float (&alpha_out)[2]) {
@@ -404,7 +406,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             const int c0 = early_col0(i);
             const ModBits<C> bits = mask_bits(i, c0);  // loads run while the QK^T does
             wgmma_wait<0>();
-            finish_qk(i, c0, bits);
+            finish_qk(i, c0, bits, Bool<false>{});
             softmax(alpha);
             if (i == 0) release_previous_q();
             rescale(alpha);
@@ -441,7 +443,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             const int c00 = early_col0(0);
             const ModBits<C> bits0 = mask_bits(0, c00);
             wgmma_wait<0>();
-            finish_qk(0, c00, bits0);
+            finish_qk(0, c00, bits0, half);
             // O is 0: alpha unused. Half: the upper half's P is 0 without its exp2s.
             if constexpr (decltype(half)::value)
                 softmax_step<C, Mods::kDistanceSlopes, C::kBlockN / 16>(
@@ -470,7 +472,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             const int c0 = early_col0(i);
             const ModBits<C> bits = mask_bits(i, c0);
             wgmma_wait<1>();  // S done, P V still running: p and acc_o stay untouched
-            finish_qk(i, c0, bits);
+            finish_qk(i, c0, bits, Bool<false>{});
             softmax(alpha);
             wgmma_wait<0>();
             fence_operands(acc_o);

@@ -40,13 +40,14 @@ __device__ __forceinline__ int mod_index(int idx, int seqlen) {
 // Element (i, e) of this thread's S accumulators: row lane_row + (e / 2) * 8, key
 // col0 + 2 * (lane % 4) + 8 * i + (e & 1) (wgmma.cuh). A score_mod rewrites every scaled score,
 // the indices clamped into the sequences where it may read memory at them (mod_index).
-template <class C, class Mods>
+// kPairs < BLOCK_N / 8 (half_diag): only the first kPairs 8-column groups, the rest masked.
+template <class C, class Mods, int kPairs = C::kBlockN / 8>
 __device__ __forceinline__ void modify_scores(float (&acc_s)[C::kBlockN / 2],
                                               const FwdArgs<typename C::Elem>& a, const Mods& mods,
                                               const TileWork& w, int col0, int lane_row) {
     const int lane_col = col0 + 2 * (threadIdx.x % 4);
     #pragma unroll
-    for (int i = 0; i < C::kBlockN / 8; ++i)
+    for (int i = 0; i < kPairs; ++i)
         #pragma unroll
         for (int e = 0; e < 4; ++e)
             acc_s[4 * i + e] = mods.score_mod(
