@@ -1,0 +1,21 @@
+#!/bin/bash
+# The next device session's plan (tools/wip/README.md), one stage per device call, logs under
+# $OUT; each stage prints a short table last.
+#   bash tools/wip/next.sh suite   # ~7.5 min: the whole GPU suite on HEAD
+#   bash tools/wip/next.sh leads   # ~9 min: config_ab of grid_order, half_diag and the mods leads
+#   bash tools/wip/next.sh rest    # ~5 min: the remaining leads
+#   bash tools/wip/next.sh grid    # ~4 min: the forward grid against cuDNN (after a winner ships)
+set -o pipefail
+R=$(cd "$(dirname "$0")/../.." && pwd)
+export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+cd "$R" || exit 1
+case $1 in
+  suite) STEPS=all T_all=540 bash tools/h200_run.sh 2>&1 | tail -6 ;;
+  leads) LEADS="order half halfmods" LEAD_T=170 bash tools/wip/leads.sh 2>&1 | tee "$OUT/leads.txt" | tail -40 ;;
+  rest)  LEADS="pers8k rescale8k docbn docsched winbn pcausal" LEAD_T=90 bash tools/wip/leads.sh 2>&1 \
+           | tee "$OUT/rest.txt" | tail -40 ;;
+  grid)  PYTHONPATH=. timeout 500 python3 -m kernelgen.cli bench --pass fwd --systems kernelgen sdpa_cudnn \
+           --out "$OUT" 2>&1 | tee "$OUT/grid.txt" | tail -30 ;;
+  *) echo "usage: $0 suite|leads|rest|grid"; exit 2 ;;
+esac
