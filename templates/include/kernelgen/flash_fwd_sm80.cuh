@@ -125,12 +125,30 @@ struct NoMods {
     __device__ int full_hi(int, int, int, int, int, int) const { return 1 << 30; }
 };
 
-// The KV blocks of BLOCK_N keys that the query rows [row0, row0 + q_rows) of (batch, head) see:
-// [n_first, n_first + n_blocks). The one place every kernel that walks a query tile's keys (this
-// forward, the Hopper one, the backward's dQ kernel) decides them. Causal is aligned bottom-right
-// (query i sees keys <= i + seqlen_k - seqlen_q); a kv range narrows that to [kv_lo, kv_hi) of the
-// rows, and n_first is a compile-time 0 without one. (With a block mask its lists give the blocks
-// instead: the callers take them from sparse_row.)
+// The keys [lo, hi) that the query rows [row0, row0 + rows) of (batch, head) see between them:
+// the one place every kernel that walks a query tile's keys (this forward, the Hopper one, the
+// backward's dQ kernel) decides them. Causal is aligned bottom-right (query i sees keys <= i +
+// seqlen_k - seqlen_q); a kv range narrows that to [kv_lo, kv_hi) of the rows, and lo is a
+// compile-time 0 without one. (With a block mask its lists give the blocks instead: the callers
+// take them from sparse_row.)
+struct KeyRange {
+    int lo, hi;
+};
+
+template <bool CAUSAL, class Mods>
+__device__ __forceinline__ KeyRange kv_keys(const Mods& mods, int row0, int rows, int batch,
+                                            int head, int seqlen_q, int seqlen_k) {
+    int lo = 0, hi = seqlen_k;
+    if constexpr (CAUSAL) hi = min(hi, row0 + rows + seqlen_k - seqlen_q);
+    if constexpr (Mods::kKvRange && !Mods::kBlockSparse) {
+        const int last = row0 + rows - 1;
+        lo = max(0, mods.kv_lo(row0, last, batch, head, seqlen_q, seqlen_k));
+        hi = min(hi, mods.kv_hi(row0, last, batch, head, seqlen_q, seqlen_k));
+    }
+    return KeyRange{lo, hi};
+}
+
+// Those keys as KV blocks of BLOCK_N on multiples of BLOCK_N: [n_first, n_first + n_blocks).
 struct KvBlocks {
     int n_first, n_blocks;
 };
@@ -138,17 +156,9 @@ struct KvBlocks {
 template <int BLOCK_N, bool CAUSAL, class Mods>
 __device__ __forceinline__ KvBlocks kv_blocks(const Mods& mods, int row0, int q_rows, int batch,
                                               int head, int seqlen_q, int seqlen_k) {
-    int kv_end = seqlen_k;
-    if constexpr (CAUSAL) kv_end = min(kv_end, row0 + q_rows + seqlen_k - seqlen_q);
-    int n_first = 0, n_blocks = kv_end > 0 ? cdiv(kv_end, BLOCK_N) : 0;
-    if constexpr (Mods::kKvRange && !Mods::kBlockSparse) {
-        const int q_last = row0 + q_rows - 1;
-        const int lo = max(0, mods.kv_lo(row0, q_last, batch, head, seqlen_q, seqlen_k));
-        kv_end = min(kv_end, mods.kv_hi(row0, q_last, batch, head, seqlen_q, seqlen_k));
-        n_first = lo / BLOCK_N;
-        n_blocks = kv_end > lo ? cdiv(kv_end, BLOCK_N) - n_first : 0;
-    }
-    return KvBlocks{n_first, n_blocks};
+    const KeyRange keys = kv_keys<CAUSAL>(mods, row0, q_rows, batch, head, seqlen_q, seqlen_k);
+    const int n_first = keys.lo / BLOCK_N;
+    return KvBlocks{n_first, keys.hi > keys.lo ? cdiv(keys.hi, BLOCK_N) - n_first : 0};
 }
 
 template <class C, class Mods = NoMods>

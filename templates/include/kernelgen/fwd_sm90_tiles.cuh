@@ -4,7 +4,7 @@
 // (TileQueue). Producer and consumers walk the same list, so they agree on every tile's blocks
 // and on the K/V ring's position.
 #pragma once
-#include "kernelgen/flash_fwd_sm80.cuh"  // FwdArgs, SparseRow
+#include "kernelgen/flash_fwd_sm80.cuh"  // FwdArgs, kv_keys, SparseRow
 #include "kernelgen/fwd_sm90_config.cuh"
 #include "kernelgen/mbarrier.cuh"
 #include "kernelgen/tile_order.cuh"
@@ -25,29 +25,10 @@ struct TileWork {
     }
 };
 
-struct KeyRange {
-    int lo, hi;   // keys lo .. hi - 1
-};
-
-// The keys that rows row0 .. row0 + rows - 1 see between them: the sequence, causal's diagonal
-// and the spec's kv range over those rows. Not with a block mask, whose lists say it.
-template <class C, class Mods>
-__device__ __forceinline__ KeyRange kv_keys(const FwdArgs<typename C::Elem>& a, const Mods& mods,
-                                            int row0, int rows, int batch, int head) {
-    int lo = 0, hi = a.seqlen_k;
-    if constexpr (C::kCausal) hi = min(hi, row0 + rows + a.seqlen_k - a.seqlen_q);
-    if constexpr (Mods::kKvRange) {
-        const int last = row0 + rows - 1;
-        lo = max(0, mods.kv_lo(row0, last, batch, head, a.seqlen_q, a.seqlen_k));
-        hi = min(hi, mods.kv_hi(row0, last, batch, head, a.seqlen_q, a.seqlen_k));
-    }
-    return KeyRange{lo, hi};
-}
-
 // The one place a tile's KV blocks are decided for this kernel: the producer's loads, the
 // consumers' steps and the ring positions of later tiles all follow it. The blocks cover the
-// tile's keys (kv_keys) from the multiple of BLOCK_N at or below their first (as the sm80
-// family's kv_blocks), or with kKvAlign from their first exactly: a range's keys then waste
+// tile's keys (kv_keys, flash_fwd_sm80.cuh) from the multiple of BLOCK_N at or below their first
+// (as the sm80 family's kv_blocks), or with kKvAlign from their first exactly: a range's keys then waste
 // only the last block's overhang, BLOCK_N / 2 on average instead of BLOCK_N (documents of
 // about 1k keys in 144-key blocks: 4% of the work). TMA takes any row as a box's start, and
 // the masks test each block's own columns, so no block needs to sit on a multiple of BLOCK_N.
@@ -62,7 +43,8 @@ __device__ __forceinline__ TileWork tile_work(const FwdArgs<typename C::Elem>& a
         const SparseRow sparse = mods.sparse_row(batch, head, m_block);
         return TileWork{head, batch, row0, q_rows, 0, sparse.n_blocks, sparse};
     }
-    const KeyRange keys = kv_keys<C>(a, mods, row0, q_rows, batch, head);
+    const KeyRange keys = kv_keys<C::kCausal>(mods, row0, q_rows, batch, head, a.seqlen_q,
+                                              a.seqlen_k);
     const int first = C::kKvAlign ? keys.lo : keys.lo / C::kBlockN * C::kBlockN;
     const int n_blocks = keys.hi > keys.lo ? cdiv(keys.hi - first, C::kBlockN) : 0;
     return TileWork{head, batch, row0, q_rows, first, n_blocks, SparseRow{nullptr, nullptr, 0, 0}};
@@ -92,7 +74,8 @@ __device__ __forceinline__ SkippedBlocks skipped_blocks(const FwdArgs<typename C
         const int wg_rows = min(64, w.row0 + w.q_rows - wg_row0);
         int lead = 0, trail = 0;
         if (wg_rows > 0) {
-            const KeyRange own = kv_keys<C>(a, mods, wg_row0, wg_rows, w.batch, w.head);
+            const KeyRange own = kv_keys<C::kCausal>(mods, wg_row0, wg_rows, w.batch, w.head,
+                                                     a.seqlen_q, a.seqlen_k);
             if (own.hi > own.lo) {   // the tile's blocks wholly past own.hi, and before own.lo
                 lead = max(0, w.n_blocks - cdiv(own.hi - w.col_first, C::kBlockN));
                 trail = max(0, (own.lo - w.col_first) / C::kBlockN);
