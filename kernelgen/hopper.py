@@ -59,19 +59,23 @@ def encode_maps(layouts: tuple, q, k, v, o) -> tuple:
                  for m, t in zip(layouts, (q, k, v, o)))
 
 
+def counter_words(config, q_shape) -> int:
+    """int32s of the dynamic schedule's counter for a config and query shape (batch, seqlen_q,
+    heads, ...): the claims (with kDefer a 64-bit word), two counts and an entry per tile."""
+    batch, seqlen_q, heads = q_shape[:3]
+    return 4 + batch * heads * -(-seqlen_q // config["block_m"])
+
+
 def tile_counter(kernel, q):
     """The dynamic schedule's claim counter for one launch of `kernel` (persistent 2) on query
     `q` (batch, seqlen_q, heads, head_dim): fresh zero int32s on q's device, made on the current
     stream like the launch that follows, so that launches on other streams and replays of
     captured graphs never share one (a kernel that reset a shared counter itself would race with
-    a concurrent one). With room for the deferred tiles' list (TileQueue::claim_longer: a 64-bit
-    claim word, two counts and an entry per tile), which only non-causal kv-range and block-mask
-    kernels use; one memset either way. None for the other configs."""
+    a concurrent one), counter_words long: the deferred tiles' list is only used by non-causal
+    kv-range and block-mask kernels, but it is one memset either way. None for the other configs."""
     if kernel.config["persistent"] != 2:
         return None
-    batch, seqlen_q, heads = q.shape[:3]
-    tiles = batch * heads * -(-seqlen_q // kernel.config["block_m"])
-    return torch.zeros(4 + tiles, dtype=torch.int32, device=q.device)
+    return torch.zeros(counter_words(kernel.config, q.shape), dtype=torch.int32, device=q.device)
 
 
 def pointer(tensor) -> int:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_sm90_emulated import check, emulate, make
 
-from kernelgen import blockmask
+from kernelgen import blockmask, hopper
 from kernelgen.packed import packed_ranges, varlen_ranges
 from kernelgen.spec import REPO_ROOT, load_spec
 
@@ -180,8 +180,8 @@ def test_packed_full_defers_short_tiles(head_dim, cfg):
     start, end = packed_ranges(ids)
     keys = torch.arange(seqlen)
     visible = ((keys >= start[:, :, None]) & (keys < end[:, :, None]))[:, None]
-    tiles = batch * heads * -(-seqlen // cfg["block_m"])
-    counter = torch.zeros(4 + tiles, dtype=torch.int32)  # as hopper.tile_counter makes it
+    counter = torch.zeros(hopper.counter_words(cfg, q.shape), dtype=torch.int32)
+    tiles = len(counter) - 4
     check(q, k, v, False, config=cfg, seed=7, lazy=True, spec=onto("flash_attn_packed"),
           mod_args={"doc_start": start, "doc_end": end}, mask_mod=lambda *_: visible,
           counter=counter)

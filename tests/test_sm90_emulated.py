@@ -73,10 +73,8 @@ def forward(q, k, v, causal, config=None, seed=0, lazy=False, spec=SPEC, mod_arg
                for name, t in (("q", q), ("k", k), ("v", v), ("o", out))
                for i, dim in enumerate("bsh")}
     # The dynamic schedule's counter (persistent 2), zero like the library's per launch.
-    # (hopper.tile_counter's size: the counter, then the deferred tiles' counts and list.)
-    tiles = batch * heads * -(-seqlen_q // config["block_m"])
     if counter is None and config["persistent"] == 2:
-        counter = torch.zeros(4 + tiles, dtype=torch.int32)
+        counter = torch.zeros(hopper.counter_words(config, q.shape), dtype=torch.int32)
     args = dict(q=q, k=k, v=v, o=out, lse=lse, batch=batch, heads=heads, heads_k=k.shape[2],
                 seqlen_q=seqlen_q, seqlen_k=k.shape[1], softmax_scale=1 / math.sqrt(head_dim),
                 tile_counter=counter, **strides, **maps, **(mod_args or {}))
