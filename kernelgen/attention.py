@@ -305,10 +305,7 @@ def builtin_kernel(name: str, q, causal: bool) -> AttentionKernel:
 
 def _builtin_args(option, q, window_size, softcap, alibi_slopes):
     if option == "window_size":
-        left, right = window_size
-        for side, bound in (("left", left), ("right", right)):
-            if isinstance(bound, bool) or not isinstance(bound, int):
-                raise TypeError(f"window_size {side} must be an int (-1: unbounded), got {bound!r}")
+        left, right = ops.window_bounds(window_size)
         return "flash_attn_window", {"window_left": left, "window_right": right}
     if option == "softcap":
         if not (isinstance(softcap, (int, float)) and softcap > 0):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from numbers import Integral
 
 import torch
 
@@ -227,7 +228,8 @@ def flash_attn_func(q, k, v, causal: bool = False, softmax_scale: float | None =
     Modifiers (differentiable too): window_size=(left, right) sliding window (-1: unbounded
     side), softcap=c (c * tanh(s / c) on the scaled scores), alibi_slopes (float32, (heads,) or
     (batch, heads)): one at a time."""
-    if tuple(window_size) != (-1, -1) or softcap or alibi_slopes is not None:
+    window_size = window_bounds(window_size)
+    if window_size != (-1, -1) or softcap or alibi_slopes is not None:
         from kernelgen.attention import builtin_forward
 
         return builtin_forward(q, k, v, causal, softmax_scale, return_lse, window_size, softcap,
@@ -244,6 +246,22 @@ def flash_attn_func(q, k, v, causal: bool = False, softmax_scale: float | None =
         return (out, lse) if return_lse else out
     out, lse = checked_forward(q, k, v, causal, softmax_scale)
     return (out, lse) if return_lse else out
+
+
+def window_bounds(window_size) -> tuple[int, int]:
+    """(left, right) of a window_size=(left, right) (flash_attn_func's, flash_attn_varlen_func's):
+    ints, -1 for an unbounded side. A TypeError or ValueError names the side."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise TypeError("window_size must be a pair (left, right) of ints, "
+                        f"got {window_size!r}") from None
+    for side, bound in (("left", left), ("right", right)):
+        if isinstance(bound, bool) or not isinstance(bound, Integral):
+            raise TypeError(f"window_size {side} must be an int (-1: unbounded), got {bound!r}")
+        if bound < -1:
+            raise ValueError(f"window_size {side} must be >= -1 (-1: unbounded), got {bound!r}")
+    return int(left), int(right)
 
 
 def checked_forward(q, k, v, causal, softmax_scale):

@@ -20,6 +20,8 @@ from numbers import Integral
 
 import torch
 
+from kernelgen import ops
+
 
 def packed_ranges(doc_q: torch.Tensor, doc_k: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,20 +80,6 @@ def varlen_ranges(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None 
     return _varlen(cu_seqlens_q, cu_seqlens_k, causal, window=window_size)[:2]
 
 
-def _window(window_size) -> tuple[int, int]:
-    """(left, right) of a window_size: ints, -1 for an unbounded side."""
-    try:
-        left, right = window_size
-    except (TypeError, ValueError):
-        raise ValueError("window_size must be a pair (left, right) of ints, "
-                         f"got {window_size!r}") from None
-    for side, bound in (("left", left), ("right", right)):
-        if isinstance(bound, bool) or not isinstance(bound, Integral) or bound < -1:
-            raise ValueError(f"window_size {side} must be an int >= -1 (-1: unbounded), "
-                             f"got {bound!r}")
-    return int(left), int(right)
-
-
 def _varlen(cu_seqlens_q, cu_seqlens_k, causal, own_causal=False, window=(-1, -1)):
     """varlen_ranges' (start, end), then what flash_attn_varlen_func checks as well: (total_q,
     total_k, longest_q, longest_k), all read from the GPU in one host sync, and whether the
@@ -101,7 +89,7 @@ def _varlen(cu_seqlens_q, cu_seqlens_k, causal, own_causal=False, window=(-1, -1
     is then each sequence's, and its causal variant's tuned configs apply (PERF_NOTES §44).
     window: (left, right) folded into the ranges as well (only its left side when the kernel's
     causal mask stands for the right)."""
-    left, right = _window(window)
+    left, right = ops.window_bounds(window)
     cu_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_k)):
         if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 \
@@ -190,7 +178,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
             raise ValueError(f"flash_attn_varlen_func: {name} must be a (total_tokens, heads, "
                              f"head_dim) tensor, got {_describe(x)}")
     start, end, total_q, total_k, longest_q, longest_k, kernel_causal = _varlen_remembered(
-        cu_seqlens_q, cu_seqlens_k, bool(causal), _window(window_size))
+        cu_seqlens_q, cu_seqlens_k, bool(causal), ops.window_bounds(window_size))
     for name, x, total, longest, bound in (("q", q, total_q, longest_q, max_seqlen_q),
                                            ("k", k, total_k, longest_k, max_seqlen_k)):
         if x.shape[0] != total:
@@ -202,7 +190,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
                              f"of at least the longest sequence's {longest} tokens")
     if v.shape[0] != k.shape[0]:
         raise ValueError(f"flash_attn_varlen_func: v holds {v.shape[0]} tokens, k {k.shape[0]}")
-    from kernelgen import ops
     from kernelgen.attention import builtin_kernel
 
     q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)   # a batch of one

@@ -152,19 +152,24 @@ def test_varlen_func_folds_only_the_left_side_for_its_own_causal_kernel():
     assert torch.equal(own, varlen_mask(cu, cu, True, (2, 0)))
 
 
-@pytest.mark.parametrize("window, match", [
-    ((-2, 0), "window_size left must be an int >= -1"),
-    ((1, 0.5), "window_size right must be an int >= -1"),
-    ((1, True), "window_size right must be an int"),
-    (3, "window_size must be a pair"),
+@pytest.mark.parametrize("window, error, match", [
+    ((-2, 0), ValueError, r"window_size left must be >= -1 \(-1: unbounded\), got -2"),
+    ((1, 0.5), TypeError, "window_size right must be an int"),
+    ((1, True), TypeError, "window_size right must be an int"),
+    (3, TypeError, "window_size must be a pair"),
 ])
-def test_bad_windows_name_the_argument(window, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_windows_name_the_argument(window, error, match):
+    """One check for flash_attn_func's window_size and the varlen calls' (ops.window_bounds),
+    before anything runs."""
+    with pytest.raises(error, match=match):
         kernelgen.varlen_ranges(torch.tensor([0, 4, 6]), window_size=window)
-    with pytest.raises(ValueError, match=match):   # before any check of the tensors
+    with pytest.raises(error, match=match):   # before any check of the tensors
         kernelgen.flash_attn_varlen_func(torch.zeros(6, 2, 64), torch.zeros(6, 2, 64),
                                          torch.zeros(6, 2, 64), torch.tensor([0, 4, 6]),
                                          window_size=window)
+    q = torch.zeros(1, 6, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(error, match=match):
+        kernelgen.flash_attn_func(q, q, q, window_size=window)
 
 
 @pytest.mark.parametrize("args, error, match", [
