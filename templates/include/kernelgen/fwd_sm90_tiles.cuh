@@ -97,7 +97,8 @@ __device__ __forceinline__ SkippedBlocks skipped_blocks(const FwdArgs<typename C
 }
 
 // The tiles one CTA computes, in order. Not persistent: the one tile of its blockIdx (causal: the
-// last query tiles, which see the most keys, launch first). Persistent (at most one CTA per SM):
+// last query tiles, which see the most keys, launch first; with kSectionedGrid the tile its
+// place in the launch order has in the dynamic schedule's order). Persistent (at most one CTA per SM):
 // linear tiles blockIdx.x, blockIdx.x + gridDim.x, ...; otherwise the query tiles of one head are
 // neighbours and share its K and V in L2; causal runs longest first in sections of (batch, head)
 // pairs whose K and V fit in L2 (tile_order.cuh). The producer and every consumer walk the same
@@ -119,18 +120,17 @@ struct TileSchedule {
     __device__ __forceinline__ int step() const { return C::kPersistent ? gridDim.x : 1; }
     __device__ __forceinline__ TileWork at(const FwdArgs<typename C::Elem>& a, int t) const {
         // t: the t-th item of the CTAs' round robin (first(), first() + step(), ...).
-        if constexpr (!C::kPersistent && C::kCausal && C::kSectionedGrid) {
-            // The GPU starts the CTAs in blockIdx order (x fastest) as SMs free up: like the
-            // dynamic schedule's claims, so the same order, with its tail of short ranks.
-            const int cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-            const SectionItem item = section_item(cta, gridDim.y * gridDim.z, m_blocks, section,
-                                                  m_blocks / KG_TAIL_RANKS_DIV);
-            return tile_work<C>(a, mods, m_blocks - 1 - item.rank, item.pair % heads,
-                                item.pair / heads);
-        }
-        if constexpr (!C::kPersistent)
+        // A CTA per tile (kSectionedGrid aside): the tile of its blockIdx.
+        constexpr bool kSectioned = C::kCausal && C::kSectionedGrid;
+        if constexpr (!C::kPersistent && !kSectioned)
             return tile_work<C>(a, mods, C::kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x,
                                 blockIdx.y, blockIdx.z);
+        // kSectionedGrid: the GPU starts the CTAs in blockIdx order (x fastest) as SMs free up,
+        // as the dynamic schedule's CTAs claim tiles; so the t-th started takes that schedule's
+        // t-th tile.
+        if constexpr (!C::kPersistent)
+            t = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+        const int pairs = C::kPersistent ? count / m_blocks : gridDim.y * gridDim.z;
         int m_block, hb;
         if constexpr (kZigzag) t = zigzag_item(t, gridDim.x, zigzag());
         if constexpr (C::kCausal) {
@@ -138,11 +138,10 @@ struct TileSchedule {
             // and the dynamic schedule's CTAs claim the last section's long tiles while the others
             // run dry: there the shortest ranks run after the sections (tile_order.cuh).
             SectionItem item;
-            if constexpr (Mods::kKvRange || Mods::kBlockSparse || C::kDynamic)
-                item = section_item(t, count / m_blocks, m_blocks, section,
-                                    m_blocks / KG_TAIL_RANKS_DIV);
+            if constexpr (Mods::kKvRange || Mods::kBlockSparse || C::kDynamic || kSectioned)
+                item = section_item(t, pairs, m_blocks, section, m_blocks / KG_TAIL_RANKS_DIV);
             else
-                item = section_item(t, count / m_blocks, m_blocks, section);
+                item = section_item(t, pairs, m_blocks, section);
             m_block = m_blocks - 1 - item.rank;
             hb = item.pair;
         } else {
