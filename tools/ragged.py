@@ -4,7 +4,8 @@ if any output is wrong.
     python tools/ragged.py [--mask-mods [HEAD_DIM ...] | --clusters]
 --mask-mods: only the mask_mod specs (window, document, packed; forward and gradient) at the head dims
 given (default all): the short run for a change to how the kernels evaluate a mask_mod.
---clusters: only the Hopper forward's clusters (CLUSTER, and its 3-stage pingpong sibling)."""
+--clusters: only the Hopper forward's clusters (CLUSTER, and its 3-stage pingpong sibling).
+--causal-keys: only the Hopper forward's causal grid_order and half_diag configs (ORDERED, HALF)."""
 import argparse
 
 import torch
@@ -23,6 +24,12 @@ DYNAMIC_WIDE = {**DYNAMIC, "schedule": 1, "q_buffers": 1}   # head dims 192/256:
 # Clusters of two CTAs (K and V multicast), non-causal at head dims 128 and 256: odd tile counts
 # put the second CTA of a cluster past seqlen_q.
 CLUSTER = {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 1, "persistent": 0, "cluster": 2}
+# Causal only: a CTA per tile taking its tile in the dynamic schedule's order (grid_order), and
+# the diagonal block's half-width S and P V (half_diag), square and narrow tiles.
+ORDERED = {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 1, "persistent": 0,
+           "q_buffers": 1, "grid_order": 1}
+HALF = {**DYNAMIC, "block_n": 128, "half_diag": 1}
+HALF_WIDE = {**DYNAMIC_WIDE, "block_n": 80, "half_diag": 1}
 
 
 def within_rule(out, ref, pt):
@@ -42,6 +49,8 @@ parser.add_argument("--mask-mods", type=int, nargs="*", metavar="HEAD_DIM",
                     help="only the window, document and packed specs, at these head dims (none: all)")
 parser.add_argument("--clusters", action="store_true",
                     help="only the Hopper forward's cluster configs (head dims 128 and 256)")
+parser.add_argument("--causal-keys", action="store_true",
+                    help="only the Hopper forward's grid_order and half_diag configs (causal)")
 opts = parser.parse_args()
 MASK_MODS = opts.mask_mods
 
@@ -85,6 +94,25 @@ def check_documents_dynamic():
             report(within_rule(out, ref, pt), "packed dynamic", head_dim, config, seqlen)
 
 
+def check_causal_keys(head_dim, q, k, v, ref, pt, seqlen_q, seqlen_k):
+    """grid_order and half_diag (causal configs only) on one ragged shape."""
+    for config in (ORDERED, HALF if head_dim <= 128 else HALF_WIDE):
+        out, _ = flash_attn_forward_sm90(q, k, v, True, config=config)
+        report(within_rule(out, ref, pt), "fwd causal keys", head_dim, config, seqlen_q, seqlen_k)
+
+
+if opts.causal_keys:
+    if HOPPER:
+        for head_dim in (64, 96, 128, 192, 256):
+            for seqlen_q, seqlen_k in ((1, 1), (17, 33), (130, 77), (77, 130), (390, 2100)):
+                q, k, v = (torch.randn(2, n, h, head_dim, device="cuda", dtype=torch.float16)
+                           for n, h in ((seqlen_q, 4), (seqlen_k, 2), (seqlen_k, 2)))
+                ref, _ = attention_ref(q, k, v, True)
+                pt, _ = attention_ref(q, k, v, True, upcast=False)
+                check_causal_keys(head_dim, q, k, v, ref, pt, seqlen_q, seqlen_k)
+    torch.cuda.synchronize()
+    print(f"ragged causal keys: {bad} wrong" + ("" if HOPPER else " (no Hopper GPU: nothing ran)"))
+    raise SystemExit(1 if bad else 0)
 if opts.clusters:
     if HOPPER:
         check_clusters()
@@ -107,6 +135,8 @@ for head_dim in MASK_MODS or (64, 96, 128, 192, 256):
                     out, _ = flash_attn_forward_sm90(q, k, v, causal, config=config)
                     report(within_rule(out, ref, pt), "fwd dynamic", head_dim, causal, seqlen_q,
                            seqlen_k)
+                    if causal:
+                        check_causal_keys(head_dim, q, k, v, ref, pt, seqlen_q, seqlen_k)
                     if head_dim in (128, 256) and not causal:
                         out, _ = flash_attn_forward_sm90(q, k, v, causal, config=CLUSTER)
                         report(within_rule(out, ref, pt), "fwd cluster", head_dim, seqlen_q,
