@@ -6,6 +6,8 @@ process, every output checked against the float32 reference (FlashAttention's ru
                               [--seqlens 1024 4096 16384] [--causal both] [--rounds 3]
                               [--config '{"block_n": 128}']   (overrides on every shape's config)
                               [--mod softcap|alibi|window|document|packed]   (that mods spec)
+    python tools/config_ab.py --alts '{"block_n": 176, "persistent": 0}' ...
+                              (the shipped config against it with each set of keys changed)
 
 Prints TFLOP/s per value (median of the rounds' medians) and each value's ratio to the first.
 Each config is timed as a captured CUDA graph (`captured`): kernel time, not the host's.
@@ -109,6 +111,9 @@ def main() -> None:
     p.add_argument("--causal", choices=["both", "true", "false"], default="both")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--config", type=json.loads, default={})
+    p.add_argument("--alts", type=json.loads, nargs="+", default=[],
+                   help="instead of --key: the shipped config, then it with each of these "
+                        "JSON objects' keys changed (several keys at once)")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--mod", help="softcap, alibi, window, document or packed: that shipped mods "
                    "spec with the bench's modifier values")
@@ -124,7 +129,8 @@ def main() -> None:
                                        dtype=torch.bfloat16) for _ in range(3))
                 case = Case(opts.mod, head_dim, causal, batch, seqlen, heads)
                 base = {**case.shipped(batch, seqlen, heads), **opts.config}
-                configs = [{**base, opts.key: value} for value in opts.values] if opts.key else [base]
+                configs = [{**base, opts.key: value} for value in opts.values] if opts.key else \
+                    [base] + [{**base, **alt} for alt in opts.alts]
                 variant = case.spec.variant(arch="sm_90a", **case.params)
                 invalid = [problem for c in configs
                            for problem in case.spec.violations(variant, case.spec.parse_config(c))]
@@ -143,7 +149,7 @@ def main() -> None:
                 cells = " ".join(f"{t:7.1f} {t / tflops[0]:.3f}x" for t in tflops)
                 print(f"hd{head_dim} {'causal' if causal else 'full'} {seqlen}: {cells}  "
                       f"{' | '.join(checks)}  base {base}", flush=True)
-    print(f"\n{opts.key or 'shipped'}: " + " ".join(str(v) for v in opts.values))
+    print(f"\n{opts.key or 'shipped'}: " + " ".join(str(v) for v in opts.values or opts.alts))
     for head_dim, causal, seqlen, _, tflops, checks in rows:
         print(f"hd{head_dim:<4} {'causal' if causal else 'full':6} {seqlen:>6} "
               + " ".join(f"{t:7.1f} {t / tflops[0]:5.3f}x" for t in tflops)

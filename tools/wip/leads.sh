@@ -23,4 +23,18 @@ for lead in ${LEADS:-sched rescale bn pers}; do case $lead in
   pers8k)  run pers8k --causal true --head-dims 192 256 --seqlens 4096 8192 --key persistent --values 0 2 --rounds 5 ;;
   half)    run half --causal true --head-dims 64 128 --seqlens 512 1024 2048 4096 --key half_diag --values 0 1 --rounds 5 ;;
   halfmods) for m in window packed softcap; do run half_$m --mod $m --causal true --head-dims 128 --seqlens 4096 --key half_diag --values 0 1 --rounds 5; done ;;
+  # Session 25 (PERF_NOTES §71): whole-config alternatives (--alts) and half_diag at the wide
+  # head dims' short causal shapes.
+  alibifull) run alibifull --mod alibi --causal false --head-dims 128 --seqlens 4096 --rounds 5 \
+               --alts '{"block_n": 128}' \
+                      '{"block_n": 176, "persistent": 0, "q_buffers": 1, "cluster": 2}' \
+                      '{"persistent": 0, "q_buffers": 1}' ;;
+  docfull) run docfull --mod document --causal false --head-dims 128 --seqlens 4096 --rounds 5 \
+               --alts '{"schedule": 2}' '{"persistent": 1}' '{"persistent": 0, "q_buffers": 1}' \
+                      '{"schedule": 2, "block_n": 112}' ;;
+  halfwide) run halfwide --causal true --head-dims 192 256 --seqlens 512 1024 2048 --key half_diag --values 0 1 --rounds 5 ;;
+  short64) run short64 --causal true --head-dims 64 --seqlens 512 1024 --rounds 5 \
+               --alts '{"half_diag": 1}' '{"half_diag": 1, "schedule": 2}' '{"half_diag": 1, "persistent": 2}' ;;
+  orderwide) run orderwide --causal true --head-dims 128 256 --seqlens 2048 4096 8192 --rounds 5 \
+               --alts '{"persistent": 0, "q_buffers": 1, "grid_order": 1}' ;;
 esac; done
