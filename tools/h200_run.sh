@@ -51,6 +51,21 @@ for step in $STEPS; do
                  python3 tools/profile_fwd.py $args 2>&1 | tee -a "$OUT/ncu.log" \
                  | grep -E "gmma|pipe_|per_second|Throughput|Issue Slots|Eligible|Active Warps|Registers|Duration|Block Size|Grid Size|==PROF==|==ERROR==|Context|stalled_(barrier|long|wait|math|mio|short|dispatch|no_inst|sleeping|membar|branch|lg|selected|not_selected|tex|drain|misc)" | head -60
              done ;;
+    ncusrc)  # NCU_CASES as for ncu: PC sampling per SASS instruction (tools/ncu_stalls.py ranks it)
+             IFS=';' read -ra cases <<< "${NCU_CASES:-flash_attn_fwd_sm90@--head-dim 128 --seqlen 1024}"
+             n=0
+             for case in "${cases[@]}"; do
+               kernel=${case%%@*}; args=${case#*@}; n=$((n + 1))
+               echo "--- $kernel $args" | tee -a "$OUT/ncusrc.log"
+               timeout $T ncu --clock-control none -k "regex:$kernel" -c 1 --launch-skip 3 \
+                 --section SourceCounters --section WarpStateStats --import-source no \
+                 -f -o "$OUT/src$n" python3 tools/profile_fwd.py $args > "$OUT/src$n.prof" 2>&1 \
+                 || tail -5 "$OUT/src$n.prof"
+               ncu --import "$OUT/src$n.ncu-rep" --page source --csv --print-source sass \
+                 > "$OUT/src$n.csv" 2> "$OUT/src$n.err" || tail -5 "$OUT/src$n.err"
+               python3 tools/ncu_stalls.py "$OUT/src$n.csv" --top ${NCU_TOP:-30} 2>&1 \
+                 | tee -a "$OUT/ncusrc.log"
+             done ;;
     bwdcheck) # BWDCHECK_ARGS: argument sets of tools/bwd_check.py separated by ';'
              IFS=';' read -ra runs <<< "${BWDCHECK_ARGS:- }"
              for args in "${runs[@]}"; do
