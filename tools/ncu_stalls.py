@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     if total_col is None:
         raise SystemExit(f"no stall-sampling column among {header[:12]}...")
     source_col = "Source" if "Source" in header else header[1]
+    address_col = next((c for c in header if "Address" in c), None)
     # Per-reason columns: "stall_<reason>" style names or "Warp Stall Sampling ... <reason>".
     reasons = [c for c in header if c not in SAMPLES and ("stall" in c.lower() or "Stall" in c)
                and c != total_col and "Not-issued" not in c]
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         running += n
         top = sorted(((_number(row[c]), c) for c in reasons), reverse=True)[:2]
         why = ", ".join(f"{c.split('(')[0].strip()[-28:]} {v / n:.0%}" for v, c in top if v > 0)
-        print(f"{n / total:6.1%} {running / total:6.1%}  {row.get('Address', ''):>6}  "
+        print(f"{n / total:6.1%} {running / total:6.1%}  {row.get(address_col, '') if address_col else '':>6}  "
               f"{row[source_col].strip()[:70]:70}  {why}")
         if running >= 0.9 * total:
             break
