@@ -132,6 +132,16 @@ def main() -> None:
                 configs = [{**base, opts.key: value} for value in opts.values] if opts.key else \
                     [base] + [{**base, **alt} for alt in opts.alts]
                 variant = case.spec.variant(arch="sm_90a", **case.params)
+                if opts.alts:   # an alternative the spec forbids here is dropped, not the shape
+                    kept = [configs[0]]
+                    for alt, c in zip(opts.alts, configs[1:]):
+                        problems = case.spec.violations(variant, case.spec.parse_config(c))
+                        if problems:
+                            print(f"hd{head_dim} {'causal' if causal else 'full'} {seqlen}: "
+                                  f"alternative {alt} dropped: {problems[0]}", flush=True)
+                        else:
+                            kept.append(c)
+                    configs = kept
                 invalid = [problem for c in configs
                            for problem in case.spec.violations(variant, case.spec.parse_config(c))]
                 if invalid:
