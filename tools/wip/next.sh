@@ -5,7 +5,7 @@
 #   bash tools/wip/next.sh leads   # ~9 min: config_ab of grid_order, half_diag and the mods leads
 #   bash tools/wip/next.sh rest    # ~5 min: the remaining leads
 #   bash tools/wip/next.sh grid    # ~4 min: the forward grid against cuDNN (after a winner ships)
-#   bash tools/wip/next.sh retune  # <= 9 min: hd192/256 causal 2k-16k tuned with grid_order searched
+#   HD=256 bash tools/wip/next.sh retune  # <= 9 min: hd256 (then HD=192) causal 2k-16k tuned, grid_order searched
 #   bash tools/wip/next.sh stalls  # ~3 min: PC sampling of short against long tiles (PERF_NOTES §73)
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
@@ -19,8 +19,9 @@ case $1 in
            | tee "$OUT/rest.txt" | tail -40 ;;
   grid)  PYTHONPATH=. timeout 500 python3 -m kernelgen.cli bench --pass fwd --systems kernelgen sdpa_cudnn \
            --out "$OUT" 2>&1 | tee "$OUT/grid.txt" | tail -30 ;;
-  retune) STEPS=grid T_grid=540 PRESET=fwd-sm90-grid TOP=3 \
-           GRID_ARGS="--head-dims 256 192 --causal true --seqlens 2048 4096 8192 16384" \
+  retune) # HD=256 (80 configs a shape) or HD=192 (216): one call each, under 9 minutes
+           STEPS=grid T_grid=540 PRESET=fwd-sm90-grid TOP=3 \
+           GRID_ARGS="--head-dims ${HD:-256} --causal true --seqlens 2048 4096 8192 16384" \
            bash tools/h200_run.sh 2>&1 | tail -40 ;;
   stalls) STEPS=ncusrc T_ncusrc=120 NCU_CASES="flash_attn_fwd_sm90@--head-dim 128 --seqlen 1024;flash_attn_fwd_sm90@--head-dim 128 --seqlen 8192;flash_attn_fwd_sm90@--head-dim 64 --seqlen 512 --causal" \
            bash tools/h200_run.sh 2>&1 | tee "$OUT/stalls.txt" | tail -120 ;;
