@@ -445,11 +445,8 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             wgmma_wait<0>();
             finish_qk(0, c00, bits0, half);
             // O is 0: alpha unused. Half: the upper half's P is 0 without its exp2s.
-            if constexpr (decltype(half)::value)
-                softmax_step<C, Mods::kDistanceSlopes, C::kBlockN / 16>(
-                    acc_s, row_max, row_sum, scale_log2, alpha, fixed, shift);
-            else
-                softmax(alpha);
+            softmax_step<C, Mods::kDistanceSlopes, C::kBlockN / (decltype(half)::value ? 16 : 8)>(
+                acc_s, row_max, row_sum, scale_log2, alpha, fixed, shift);
             release_previous_q();
             pack_p<C>(p, acc_s);
         };
