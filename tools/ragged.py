@@ -55,16 +55,23 @@ opts = parser.parse_args()
 MASK_MODS = opts.mask_mods
 
 
+def ragged_problems(head_dim, causal):
+    """The short runs' shapes (a ring that wraps among them: 390 x 2100), GQA 2: (q, k, v, the
+    float32 reference, PyTorch's fp16 result, seqlen_q, seqlen_k) each."""
+    for seqlen_q, seqlen_k in ((1, 1), (17, 33), (130, 77), (77, 130), (390, 2100)):
+        q, k, v = (torch.randn(2, n, h, head_dim, device="cuda", dtype=torch.float16)
+                   for n, h in ((seqlen_q, 4), (seqlen_k, 2), (seqlen_k, 2)))
+        ref, _ = attention_ref(q, k, v, causal)
+        pt, _ = attention_ref(q, k, v, causal, upcast=False)
+        yield q, k, v, ref, pt, seqlen_q, seqlen_k
+
+
 def check_clusters():
-    """Both cluster configs on the ragged shapes and a long-keys one (a ring that wraps)."""
+    """Both cluster configs on the ragged shapes."""
     pingpong = {**CLUSTER, "block_n": 128, "stages": 3, "schedule": 2}
     for head_dim in (128, 256):
-        for config in (CLUSTER, pingpong) if head_dim == 128 else (CLUSTER,):
-            for seqlen_q, seqlen_k in ((1, 1), (17, 33), (130, 77), (77, 130), (390, 2100)):
-                q, k, v = (torch.randn(2, n, h, head_dim, device="cuda", dtype=torch.float16)
-                           for n, h in ((seqlen_q, 4), (seqlen_k, 2), (seqlen_k, 2)))
-                ref, _ = attention_ref(q, k, v, False)
-                pt, _ = attention_ref(q, k, v, False, upcast=False)
+        for q, k, v, ref, pt, seqlen_q, seqlen_k in ragged_problems(head_dim, False):
+            for config in (CLUSTER, pingpong) if head_dim == 128 else (CLUSTER,):
                 out, _ = flash_attn_forward_sm90(q, k, v, False, config=config)
                 report(within_rule(out, ref, pt), "fwd cluster", head_dim, config, seqlen_q,
                        seqlen_k)
@@ -101,24 +108,25 @@ def check_causal_keys(head_dim, q, k, v, ref, pt, seqlen_q, seqlen_k):
         report(within_rule(out, ref, pt), "fwd causal keys", head_dim, config, seqlen_q, seqlen_k)
 
 
+def short_run(name, check):
+    """Only `check` (on a Hopper GPU), then the verdict."""
+    if HOPPER:
+        check()
+    torch.cuda.synchronize()
+    print(f"ragged {name}: {bad} wrong" + ("" if HOPPER else " (no Hopper GPU: nothing ran)"))
+    raise SystemExit(1 if bad else 0)
+
+
+def check_all_causal_keys():
+    for head_dim in (64, 96, 128, 192, 256):
+        for problem in ragged_problems(head_dim, True):
+            check_causal_keys(head_dim, *problem)
+
+
 if opts.causal_keys:
-    if HOPPER:
-        for head_dim in (64, 96, 128, 192, 256):
-            for seqlen_q, seqlen_k in ((1, 1), (17, 33), (130, 77), (77, 130), (390, 2100)):
-                q, k, v = (torch.randn(2, n, h, head_dim, device="cuda", dtype=torch.float16)
-                           for n, h in ((seqlen_q, 4), (seqlen_k, 2), (seqlen_k, 2)))
-                ref, _ = attention_ref(q, k, v, True)
-                pt, _ = attention_ref(q, k, v, True, upcast=False)
-                check_causal_keys(head_dim, q, k, v, ref, pt, seqlen_q, seqlen_k)
-    torch.cuda.synchronize()
-    print(f"ragged causal keys: {bad} wrong" + ("" if HOPPER else " (no Hopper GPU: nothing ran)"))
-    raise SystemExit(1 if bad else 0)
+    short_run("causal keys", check_all_causal_keys)
 if opts.clusters:
-    if HOPPER:
-        check_clusters()
-    torch.cuda.synchronize()
-    print(f"ragged clusters: {bad} wrong" + ("" if HOPPER else " (no Hopper GPU: nothing ran)"))
-    raise SystemExit(1 if bad else 0)
+    short_run("clusters", check_clusters)
 for head_dim in MASK_MODS or (64, 96, 128, 192, 256):
     for causal in (False, True):
         for seqlen_q, seqlen_k in ((1, 1), (17, 33), (130, 77), (77, 130)):
