@@ -228,7 +228,8 @@ def flash_attn_func(q, k, v, causal: bool = False, softmax_scale: float | None =
     Modifiers (differentiable too): window_size=(left, right) sliding window (-1: unbounded
     side), softcap=c (c * tanh(s / c) on the scaled scores), alibi_slopes (float32, (heads,) or
     (batch, heads)): one at a time."""
-    window_size = window_bounds(window_size)
+    if not (type(window_size) is tuple and window_size == (-1, -1)):  # the default: no checks
+        window_size = window_bounds(window_size)                     # on the hot path (~1 us)
     if window_size != (-1, -1) or softcap or alibi_slopes is not None:
         from kernelgen.attention import builtin_forward
 
