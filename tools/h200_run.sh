@@ -39,32 +39,31 @@ for step in $STEPS; do
                timeout $T python3 tools/tune_mods.py --export "$OUT/tuned_mods.json" $args 2>&1 \
                  | tee -a "$OUT/tune_mods.log" | grep -v '^\['
              done ;;
-    ncu)     # NCU_CASES: "kernel-regex@profile_fwd.py args" items separated by ';'
-             IFS=';' read -ra cases <<< "${NCU_CASES:-flash_attn_fwd_sm90@;sdpa|fmha|fprop|cudnn@--sdpa cudnn}"
-             for case in "${cases[@]}"; do
-               kernel=${case%%@*}; args=${case#*@}
-               echo "--- $kernel $args" | tee -a "$OUT/ncu.log"
-               timeout $T ncu --clock-control none -k "regex:$kernel" -c 1 --launch-skip 3 \
-                 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
-                 --section SchedulerStats --section LaunchStats --section Occupancy \
-                 --metrics "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,sm__cycles_elapsed.avg.per_second,regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio" \
-                 python3 tools/profile_fwd.py $args 2>&1 | tee -a "$OUT/ncu.log" \
-                 | grep -E "gmma|pipe_|per_second|Throughput|Issue Slots|Eligible|Active Warps|Registers|Duration|Block Size|Grid Size|==PROF==|==ERROR==|Context|stalled_(barrier|long|wait|math|mio|short|dispatch|no_inst|sleeping|membar|branch|lg|selected|not_selected|tex|drain|misc)" | head -60
-             done ;;
-    ncusrc)  # NCU_CASES as for ncu: PC sampling per SASS instruction (tools/ncu_stalls.py ranks it)
-             IFS=';' read -ra cases <<< "${NCU_CASES:-flash_attn_fwd_sm90@--head-dim 128 --seqlen 1024}"
+    ncu|ncusrc) # NCU_CASES: "kernel-regex@profile_fwd.py args" items separated by ';'. ncu: the
+             # sections' figures; ncusrc: PC sampling per SASS instruction (tools/ncu_stalls.py ranks it)
+             default="flash_attn_fwd_sm90@;sdpa|fmha|fprop|cudnn@--sdpa cudnn"
+             [ $step = ncusrc ] && default="flash_attn_fwd_sm90@--head-dim 128 --seqlen 1024"
+             IFS=';' read -ra cases <<< "${NCU_CASES:-$default}"
              n=0
              for case in "${cases[@]}"; do
                kernel=${case%%@*}; args=${case#*@}; n=$((n + 1))
-               echo "--- $kernel $args" | tee -a "$OUT/ncusrc.log"
-               timeout $T ncu --clock-control none -k "regex:$kernel" -c 1 --launch-skip 3 \
-                 --section SourceCounters --section WarpStateStats --import-source no \
-                 -f -o "$OUT/src$n" python3 tools/profile_fwd.py $args > "$OUT/src$n.prof" 2>&1 \
-                 || tail -5 "$OUT/src$n.prof"
-               ncu --import "$OUT/src$n.ncu-rep" --page source --csv --print-source sass \
-                 > "$OUT/src$n.csv" 2> "$OUT/src$n.err" || tail -5 "$OUT/src$n.err"
-               python3 tools/ncu_stalls.py "$OUT/src$n.csv" --top ${NCU_TOP:-30} 2>&1 \
-                 | tee -a "$OUT/ncusrc.log"
+               echo "--- $kernel $args" | tee -a "$OUT/$step.log"
+               profile() { timeout $T ncu --clock-control none -k "regex:$kernel" -c 1 --launch-skip 3 \
+                             "$@" python3 tools/profile_fwd.py $args; }
+               if [ $step = ncu ]; then
+                 profile --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+                   --section SchedulerStats --section LaunchStats --section Occupancy \
+                   --metrics "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,sm__cycles_elapsed.avg.per_second,regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio" \
+                   2>&1 | tee -a "$OUT/ncu.log" \
+                   | grep -E "gmma|pipe_|per_second|Throughput|Issue Slots|Eligible|Active Warps|Registers|Duration|Block Size|Grid Size|==PROF==|==ERROR==|Context|stalled_(barrier|long|wait|math|mio|short|dispatch|no_inst|sleeping|membar|branch|lg|selected|not_selected|tex|drain|misc)" | head -60
+               else
+                 profile --section SourceCounters --section WarpStateStats --import-source no \
+                   -f -o "$OUT/src$n" > "$OUT/src$n.prof" 2>&1 || tail -5 "$OUT/src$n.prof"
+                 ncu --import "$OUT/src$n.ncu-rep" --page source --csv --print-source sass \
+                   > "$OUT/src$n.csv" 2> "$OUT/src$n.err" || tail -5 "$OUT/src$n.err"
+                 python3 tools/ncu_stalls.py "$OUT/src$n.csv" --top ${NCU_TOP:-30} 2>&1 \
+                   | tee -a "$OUT/ncusrc.log"
+               fi
              done ;;
     bwdcheck) # BWDCHECK_ARGS: argument sets of tools/bwd_check.py separated by ';'
              IFS=';' read -ra runs <<< "${BWDCHECK_ARGS:- }"
