@@ -2,8 +2,6 @@
 # The next device session's plan (tools/wip/README.md), one stage per device call, logs under
 # $OUT; each stage prints a short table last.
 #   bash tools/wip/next.sh suite   # ~7.5 min: the whole GPU suite on HEAD
-#   bash tools/wip/next.sh leads   # ~9 min: config_ab of grid_order, half_diag and the mods leads
-#   bash tools/wip/next.sh rest    # ~5 min: the remaining leads
 #   bash tools/wip/next.sh grid    # ~4 min: the forward grid against cuDNN (after a winner ships)
 #   HD=256 bash tools/wip/next.sh retune  # <= 9 min: hd256 (then HD=192) causal 2k-16k tuned, grid_order searched
 #   bash tools/wip/next.sh stalls  # ~3 min: PC sampling of short against long tiles (PERF_NOTES §73)
@@ -14,9 +12,6 @@ mkdir -p "$OUT"
 cd "$R" || exit 1
 case $1 in
   suite) STEPS=all T_all=540 bash tools/h200_run.sh 2>&1 | tail -6 ;;
-  leads) LEADS="order half halfmods" LEAD_T=170 bash tools/wip/leads.sh 2>&1 | tee "$OUT/leads.txt" | tail -40 ;;
-  rest)  LEADS="pers8k rescale8k docbn docsched winbn pcausal" LEAD_T=90 bash tools/wip/leads.sh 2>&1 \
-           | tee "$OUT/rest.txt" | tail -40 ;;
   grid)  PYTHONPATH=. timeout 500 python3 -m kernelgen.cli bench --pass fwd --systems kernelgen sdpa_cudnn \
            --out "$OUT" 2>&1 | tee "$OUT/grid.txt" | tail -30 ;;
   retune) # HD=256 (80 configs a shape) or HD=192 (216): one call each, under 9 minutes
@@ -25,5 +20,5 @@ case $1 in
            bash tools/h200_run.sh 2>&1 | tail -40 ;;
   stalls) STEPS=ncusrc T_ncusrc=120 NCU_CASES="flash_attn_fwd_sm90@--head-dim 128 --seqlen 1024;flash_attn_fwd_sm90@--head-dim 128 --seqlen 8192;flash_attn_fwd_sm90@--head-dim 64 --seqlen 512 --causal" \
            bash tools/h200_run.sh 2>&1 | tee "$OUT/stalls.txt" | tail -120 ;;
-  *) echo "usage: $0 suite|leads|rest|grid|stalls"; exit 2 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls"; exit 2 ;;
 esac
