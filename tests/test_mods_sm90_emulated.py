@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_packed import mask_of
 from test_sm90_emulated import check, emulate, make
 
 from kernelgen import blockmask, hopper
@@ -134,8 +135,7 @@ def test_packed_causal_tail_after_the_sections(persistent, extra):
     q, k, v = qkv(batch, seqlen, seqlen, heads, heads, 64)
     torch.manual_seed(13)
     start, end = packed_ranges(documents(batch, seqlen, 4))
-    keys = torch.arange(seqlen)
-    visible = ((keys >= start[:, :, None]) & (keys < end[:, :, None]))[:, None]
+    visible = mask_of(start, end, seqlen)[:, None]
     check(q, k, v, True, config={**config(persistent=persistent), **extra}, seed=3, lazy=True,
           spec=onto("flash_attn_packed"), mod_args={"doc_start": start, "doc_end": end},
           mask_mod=lambda *_: visible, l2_bytes=2 * 4 * seqlen * 64, tail_div=2)
@@ -154,8 +154,7 @@ def test_varlen_window_as_ranges(causal, window, cfg):
     cu_k = torch.tensor([0, 200, 200, 260, 300, 450])
     q, k, v = qkv(1, 520, 450, 2, 1, 64)
     start, end = varlen_ranges(cu_q, cu_k, causal=causal, window_size=window)
-    keys = torch.arange(450)
-    visible = ((keys >= start[:, :, None]) & (keys < end[:, :, None]))[:, None]
+    visible = mask_of(start, end, 450)[:, None]
     assert not visible.any(dim=-1).all()
     check(q, k, v, False, config=cfg, seed=9, lazy=causal, spec=onto("flash_attn_packed"),
           mod_args={"doc_start": start, "doc_end": end}, mask_mod=lambda *_: visible)
@@ -178,8 +177,7 @@ def test_packed_full_defers_short_tiles(head_dim, cfg):
     ids = documents(batch, seqlen, 5)
     ids[0, :40] = -1          # a short first document: its tile sees few blocks
     start, end = packed_ranges(ids)
-    keys = torch.arange(seqlen)
-    visible = ((keys >= start[:, :, None]) & (keys < end[:, :, None]))[:, None]
+    visible = mask_of(start, end, seqlen)[:, None]
     counter = torch.zeros(hopper.counter_words(cfg, q.shape), dtype=torch.int32)
     tiles = len(counter) - 4
     check(q, k, v, False, config=cfg, seed=7, lazy=True, spec=onto("flash_attn_packed"),
@@ -263,8 +261,7 @@ def test_packed_documents_as_an_exact_kv_range(head_dim, causal, cfg):
     ids[1, 151:] += 1   # token 150 a document of its own
     start, end = packed_ranges(ids)
     assert start[1, 150].item() == 150 and end[1, 150].item() == 151
-    keys = torch.arange(seqlen)
-    visible = ((keys >= start[:, :, None]) & (keys < end[:, :, None]))[:, None]
+    visible = mask_of(start, end, seqlen)[:, None]
     spec = onto("flash_attn_packed")
     assert spec.mods.exact_range and spec.mods.range_reads_memory
     check(q, k, v, causal, config=cfg, seed=5, lazy=causal, spec=spec,
