@@ -196,6 +196,13 @@ def _launch(plan: _Plan, q, k, v):
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
+    args, counter = _arguments(plan, q, k, v, out, lse)  # counter: alive past the launch
+    plan.kernel.launch(args, plan.grid, plan.device, api._current_stream(plan.device))
+    return out, lse
+
+
+def _arguments(plan: _Plan, q, k, v, out, lse) -> tuple:
+    """(the kernel's arguments in order, the dynamic schedule's counter tensor or None)."""
     args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), *plan.scalars)
     counter = None
     if plan.maps:
@@ -203,8 +210,7 @@ def _launch(plan: _Plan, q, k, v):
 
         counter = hopper.tile_counter(plan.kernel, q)
         args += (*hopper.encode_maps(plan.maps, q, k, v, out), hopper.pointer(counter))
-    plan.kernel.launch(args, plan.grid, plan.device, api._current_stream(plan.device))
-    return out, lse
+    return args, counter
 
 
 def _scale(q, softmax_scale) -> float:

@@ -1,4 +1,10 @@
-"""Where the host time of one flash_attn_func call goes (run on the GPU machine)."""
+"""Where the host time of one flash_attn_func call goes (run on the GPU machine).
+
+The pieces of a repeated call on a tiny problem (1 x 64 x 1 x 64 bf16, the bench's probe), each
+timed alone over 3000 queued calls, then cProfile of the whole call. The launch arguments come
+from the call's own plan (ops._arguments), so the rows hold for either forward family: sm90 adds
+the tensor maps (tma.encode per operand) and, for the dynamic schedule, the tile counter's
+torch.zeros."""
 import cProfile
 import ctypes
 import pstats
@@ -7,7 +13,7 @@ import time
 import torch
 
 import kernelgen
-from kernelgen import api, ops
+from kernelgen import api, hopper, ops
 
 
 def per_call_us(fn, calls=3000):
@@ -23,32 +29,45 @@ def per_call_us(fn, calls=3000):
 
 q = torch.randn(1, 64, 1, 64, device="cuda", dtype=torch.bfloat16)
 kernelgen.flash_attn_func(q, q, q)
-kernel = ops._PLANS[next(iter(ops._PLANS))].kernel
-out = torch.empty_like(q)
-lse = torch.empty(1, 1, 64, device="cuda")
-values = (q.data_ptr(), q.data_ptr(), q.data_ptr(), out.data_ptr(), lse.data_ptr(), *q.stride()[:3],
-          *q.stride()[:3], *q.stride()[:3], *out.stride()[:3], 1, 1, 1, 64, 64, 0.125)
+signature, plan = next(iter(ops._PLANS.items()))
+kernel = plan.kernel
+out = torch.empty(plan.out_shape, dtype=plan.dtype, device="cuda")
+lse = torch.empty(plan.lse_shape, device="cuda")
+args, counter = ops._arguments(plan, q, q, q, out, lse)
 stream = api._current_stream(0)
 k = kernel.kernel
 loaded = k._loaded[0]
-from cuda.bindings import driver
+from cuda.bindings import driver  # noqa: E402
 
 handle = driver.CUstream(stream)
 libcuda = ctypes.CDLL("libcuda.so.1")
 fn_ptr = ctypes.c_void_p(int(loaded.function))
+print(f"kernel {kernel.source.name}: config {dict(kernel.config.as_dict())}, grid {plan.grid}, "
+      f"{len(args)} arguments")
 rows = {
     "flash_attn_func": lambda: kernelgen.flash_attn_func(q, q, q),
-    "flash_attn_forward (no checks)": lambda: ops.flash_attn_forward(q, q, q, False, 0.125),
-    "_check_inputs": lambda: ops._check_inputs(q, q, q),
-    "2x torch.empty": lambda: (torch.empty_like(q), torch.empty(1, 1, 64, device="cuda")),
-    "BoundKernel.launch": lambda: kernel.launch(values, (1, 1, 1), 0, stream),
-    "driver.cuLaunchKernel": lambda: driver.cuLaunchKernel(loaded.function, 1, 1, 1, 128, 1, 1, kernel.smem,
-                                                          handle, k._params_address, 0),
-    "ctypes cuLaunchKernel": lambda: libcuda.cuLaunchKernel(fn_ptr, 1, 1, 1, 128, 1, 1, kernel.smem,
-                                                            ctypes.c_void_p(stream),
+    "checked_forward": lambda: ops.checked_forward(q, q, q, False, None),
+    "ops._launch (plan known)": lambda: ops._launch(plan, q, q, q),
+    "signature + _PLANS.get": lambda: ops._PLANS.get(
+        (q.shape, q.shape, q.shape, q.stride(), q.stride(), q.stride(), q.dtype, q.dtype, q.dtype,
+         q.device, q.device, q.device, False, None)),
+    "2x torch.empty": lambda: (torch.empty(plan.out_shape, dtype=plan.dtype, device=q.device),
+                               torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)),
+    "ops._arguments": lambda: ops._arguments(plan, q, q, q, out, lse),
+    "BoundKernel.launch": lambda: kernel.launch(args, plan.grid, 0, stream),
+    "driver.cuLaunchKernel": lambda: driver.cuLaunchKernel(loaded.function, *plan.grid, *kernel.block,
+                                                          kernel.smem, handle, k._params_address, 0),
+    "ctypes cuLaunchKernel": lambda: libcuda.cuLaunchKernel(fn_ptr, *plan.grid, *kernel.block,
+                                                            kernel.smem, ctypes.c_void_p(stream),
                                                             ctypes.c_void_p(k._params_address), None),
     "current stream": lambda: api._current_stream(0),
+    "torch.compiler.is_compiling": torch.compiler.is_compiling,
 }
+if plan.maps:
+    rows["hopper.encode_maps"] = lambda: hopper.encode_maps(plan.maps, q, q, q, out)
+    rows["hopper.tile_counter"] = lambda: hopper.tile_counter(kernel, q)
+    rows["torch.zeros(4, int32)"] = lambda: torch.zeros(4, dtype=torch.int32, device=q.device)
+    rows["torch.empty(4, int32)"] = lambda: torch.empty(4, dtype=torch.int32, device=q.device)
 for name, fn in rows.items():
     print(f"{name:34} {per_call_us(fn):7.2f} us")
 profile = cProfile.Profile()
@@ -56,4 +75,5 @@ profile.enable()
 for _ in range(2000):
     kernelgen.flash_attn_func(q, q, q)
 profile.disable()
-pstats.Stats(profile).sort_stats("tottime").print_stats(14)
+torch.cuda.synchronize()
+pstats.Stats(profile).sort_stats("tottime").print_stats(18)
