@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import logging
 import os
 import re
@@ -163,7 +164,13 @@ def source_path(name: str) -> Path:
 
 
 def _safe_file_name(name: str) -> str:
-    return re.sub(r"[^\w.=-]", "_", name)[:200] or "kernel"
+    """A file name for a kernel's name: a long one (a mods spec's variant with every tune key
+    spelled out passes 220 characters) keeps its first 180 and a digest of the whole, so that
+    two variants never share a dumped source."""
+    safe = re.sub(r"[^\w.=-]", "_", name) or "kernel"
+    if len(safe) <= 200:
+        return safe
+    return f"{safe[:180]}-{hashlib.sha256(name.encode()).hexdigest()[:16]}"
 
 
 def compile_source(source_text: str, name: str, entry: str, arch: str) -> Binary:

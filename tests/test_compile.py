@@ -112,6 +112,16 @@ def test_wrong_entry_name_is_an_error(cache_dir):
         compiler.compile_source(MMA_KERNEL, "mma_probe_test", "not_the_entry", "sm_80")
 
 
+def test_long_names_keep_distinct_source_files(cache_dir):
+    """A mods spec's variant name passes 220 characters; two that differ only at the end (the
+    last tune key) must not share a dumped source file."""
+    base = "flash_attn_softcap__flash_attn_fwd_sm90__head_dim128__" + "key0_" * 30
+    paths = {compiler.source_path(base + tail) for tail in ("carry_qk0", "carry_qk1")}
+    assert len(paths) == 2
+    assert all(len(p.name) <= 200 for p in paths)
+    assert compiler.source_path("short_name").name == "short_name.cu"
+
+
 def test_dump_sources_writes_successful_sources(cache_dir, monkeypatch):
     monkeypatch.setenv("KERNELGEN_DUMP_SOURCES", "1")
     env.reload_settings()

@@ -72,6 +72,24 @@ def test_half_diag_is_valid_only_for_causal_overlapped_schedules(causal):
     assert all(c.as_dict().get("half_diag", 0) == 0 for c in BASE.tuned_configs(variant))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_carry_qk_needs_two_q_buffers_and_whole_first_blocks(causal):
+    variant = BASE.variant(head_dim=64, dtype="bf16", causal=causal)
+    carried = [c.as_dict() for c in BASE.valid_configs(variant) if c.as_dict()["carry_qk"]]
+    assert carried and all(c["persistent"] and c["q_buffers"] == 2 and c["schedule"] > 0
+                           and not c["half_diag"] for c in carried)
+    assert all(c["block_n"] >= c["block_m"] for c in carried) if causal else \
+        any(c["block_n"] < c["block_m"] for c in carried)
+    # Not for the specs whose KV blocks vary by tile (kv ranges, block masks).
+    for name in ("flash_attn_window", "flash_attn_packed", "flash_attn_document"):
+        spec = ONTO[name]
+        assert not any(c.as_dict()["carry_qk"]
+                       for c in spec.valid_configs(spec.variant(head_dim=64, dtype="bf16",
+                                                                causal=causal)))
+    # Out of the search until measured on the H200 (tune.skip; PERF_NOTES §75).
+    assert not any(c.as_dict()["carry_qk"] for c in BASE.tuned_configs(variant))
+
+
 def test_a_parsed_specs_hopper_spec_is_remembered(tmp_path):
     """forward_sm90 runs on every call: a KernelSpec's Hopper spec is parsed once, and a spec
     whose text changed (a new KernelSpec) gets its own."""
@@ -187,7 +205,7 @@ def test_forward_sm90_launches_the_hopper_kernel_with_the_mod_args_last(no_gpu):
     (kernel, values, grid), = launches
     assert kernel.spec.name == "flash_attn_document__flash_attn_fwd_sm90"
     defaults = {"q_buffers": 1, "sum_mma": 0, "rescale": 0, "q_split": 0, "cluster": 1,
-                "kv_align": 0, "grid_order": 0, "half_diag": 0}
+                "kv_align": 0, "grid_order": 0, "half_diag": 0, "carry_qk": 0}
     assert kernel.config.as_dict() == {**config, **defaults} and not problems   # explicit: no lookup
     assert grid == (5, 1, 1)   # persistent: min(3 query tiles * 4 heads * 2, sm_count)
     names = [a.name for a in kernel.spec.args]

@@ -27,9 +27,13 @@ def onto(name):
     return load_spec(name, onto=BASE)
 
 
-def config(block_m=128, block_n=64, schedule=2, persistent=0, stages=2, kv_align=0, half_diag=0):
+def config(block_m=128, block_n=64, schedule=2, persistent=0, stages=2, kv_align=0, half_diag=0,
+           **extra):
     return {"block_m": block_m, "block_n": block_n, "stages": stages, "schedule": schedule,
-            "persistent": persistent, "kv_align": kv_align, "half_diag": half_diag}
+            "persistent": persistent, "kv_align": kv_align, "half_diag": half_diag, **extra}
+
+
+CARRY = {"q_buffers": 2, "carry_qk": 1}  # each tile's first QK^T in the previous tile's last turn
 
 
 def qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype=torch.bfloat16, scale=1.0):
@@ -49,8 +53,12 @@ def qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype=torch.bfloat1
     (64, torch.float16, True, (2, 250, 200, 2, 1), config(persistent=0), 6.0),
     # half_diag: the diagonal block's upper S is -inf before the score_mod sees it.
     (128, torch.bfloat16, True, (1, 300, 300, 2, 1), config(128, 128, 1, 2, half_diag=1), 45.0),
+    # carry_qk: the score_mod on an S issued in the previous tile's last turn.
+    (128, torch.bfloat16, False, (2, 200, 333, 2, 1), config(128, 128, 1, 1, **CARRY), 45.0),
+    (64, torch.float16, True, (1, 300, 200, 2, 2), config(128, 128, 2, 2, **CARRY), 6.0),
 ], ids=["hd128-causal-gqa", "hd64-fp16-3wg-persistent", "hd96-plain-schedule-persistent-negative",
-        "hd128-past-bound", "hd64-fp16-past-bound", "hd128-causal-half-diag"])
+        "hd128-past-bound", "hd64-fp16-past-bound", "hd128-causal-half-diag", "hd128-carry",
+        "hd64-fp16-causal-carry-dynamic"])
 def test_softcap(head_dim, dtype, causal, shape, cfg, cap):
     batch, seqlen_q, seqlen_k, heads, heads_k = shape
     # scores of q, k ~ N(0, 9) are far into a cap of 2; scale 12 puts some past 45
@@ -111,8 +119,11 @@ def test_sliding_window(window, causal, shape, cfg, empty_rows):
     # the GPU ptxas serializes this config's wgmma, C7511, so the tuner drops it; the logic is
     # the same for the configs it keeps).
     (False, True, config(128, 128, schedule=2, persistent=2, half_diag=1), 128),
+    # carry_qk: hd128 then adds the column terms after the QK^T, as hd64 does.
+    (False, True, config(128, 128, schedule=2, persistent=2, **CARRY), 128),
+    (True, False, config(128, 128, schedule=1, persistent=1, **CARRY), 64),
 ], ids=["per-head-causal-persistent", "per-batch-3wg", "per-batch-causal-overlap-persistent-hd128",
-        "per-head-causal-half-diag-hd128"])
+        "per-head-causal-half-diag-hd128", "per-head-causal-carry-hd128", "per-batch-carry-hd64"])
 def test_alibi(per_batch, causal, cfg, head_dim):
     batch, seqlen_q, seqlen_k, heads, heads_k = 2, 170, 290, 4, 2
     q, k, v = qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, torch.float16)

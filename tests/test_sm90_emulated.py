@@ -266,6 +266,38 @@ def test_half_diagonal_blocks(head_dim, shape, config, lazy):
           lazy=lazy)
 
 
+@pytest.mark.parametrize("head_dim, causal, shape, config, lazy", [
+    # Static, both schedules, ragged last tiles, GQA: each CTA's tiles carry their successor's S
+    # from the Q buffer the producer fills next; the CTA's last tile carries a dummy.
+    (64, False, (2, 300, 517, 2, 1), {"block_n": 128, "schedule": 1, "persistent": 1}, False),
+    (128, False, (2, 290, 200, 2, 2), {"block_n": 160, "schedule": 2, "persistent": 1}, True),
+    # Empty tiles (600 queries, 130 keys: the first three query tiles see no key), static and
+    # dynamic: a tile without work waits for its dummy S and carries the next tile's in a turn.
+    (128, True, (1, 600, 130, 2, 1), {"block_n": 128, "schedule": 2, "persistent": 1}, False),
+    (64, True, (2, 600, 130, 1, 1), {"block_n": 128, "schedule": 1, "persistent": 2}, True),
+    # Dynamic: tiles claimed from the counter, each carrying the S of the one it learns next.
+    (128, True, (2, 300, 430, 2, 1), {"block_n": 128, "schedule": 2, "persistent": 2}, True),
+    (128, False, (2, 290, 200, 2, 2), {"block_n": 144, "schedule": 1, "persistent": 2}, False),
+    # Three consumers (a hand-off round of three; causal needs blocks as long as the tile,
+    # which three consumers' registers do not hold), 64B swizzle; sum_mma's row sums.
+    (96, False, (1, 600, 130, 2, 2), {"block_m": 192, "block_n": 64, "schedule": 2,
+                                      "persistent": 2}, True),
+    (64, False, (1, 250, 400, 3, 1), {"block_m": 192, "block_n": 64, "schedule": 2,
+                                      "persistent": 1, "sum_mma": 1}, False),
+], ids=["static-overlap", "static-pingpong-gqa", "static-empty-tiles", "dynamic-empty-tiles",
+        "dynamic-pingpong", "dynamic-overlap", "3wg-64b-swizzle", "3wg-sum-mma"])
+def test_carried_first_qk(head_dim, causal, shape, config, lazy):
+    """carry_qk 1: a tile's first QK^T issued in the previous tile's last turn (or before the
+    CTA's first tile), a dummy where no tile with work follows."""
+    batch, seqlen_q, seqlen_k, heads, heads_k = shape
+    dtype = torch.float16 if lazy else torch.bfloat16
+    torch.manual_seed(seqlen_q + seqlen_k + head_dim)
+    q = make(batch, seqlen_q, heads, head_dim, dtype)
+    k, v = (make(batch, seqlen_k, heads_k, head_dim, dtype) for _ in range(2))
+    check(q, k, v, causal, config={"block_m": 128, "stages": 2, "q_buffers": 2, **config,
+                                   "carry_qk": 1}, seed=seqlen_q, lazy=lazy)
+
+
 @pytest.mark.parametrize("block_n, schedule, tail_div", [(64, 2, 2), (128, 1, 4), (96, 0, 64)],
                          ids=["skips-pingpong-tail2", "overlap", "plain-no-tail"])
 def test_causal_grid_in_the_dynamic_order(block_n, schedule, tail_div):

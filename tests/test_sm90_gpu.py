@@ -107,6 +107,17 @@ CONFIGS = [
            "q_split": 1}),
     (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2, "q_split": 1}),
     (64, {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 0, "q_split": 1}),
+    # carry_qk (each tile's first QK^T in the previous tile's last turn, a dummy after the CTA's
+    # last tile; causal with empty tiles on the 1000 x 17 shape): static and dynamic, both
+    # overlapped schedules, 128B and 64B swizzle.
+    (64, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 1, "q_buffers": 2,
+          "carry_qk": 1}),
+    (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 2,
+           "carry_qk": 1}),
+    (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2, "q_buffers": 2,
+           "carry_qk": 1}),
+    (96, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 2,
+          "carry_qk": 1}),
 ]
 
 

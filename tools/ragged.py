@@ -5,7 +5,8 @@ if any output is wrong.
 --mask-mods: only the mask_mod specs (window, document, packed; forward and gradient) at the head dims
 given (default all): the short run for a change to how the kernels evaluate a mask_mod.
 --clusters: only the Hopper forward's clusters (CLUSTER, and its 3-stage pingpong sibling).
---causal-keys: only the Hopper forward's causal grid_order and half_diag configs (ORDERED, HALF)."""
+--causal-keys: only the Hopper forward's causal grid_order and half_diag configs (ORDERED, HALF).
+--carry: only the Hopper forward's carry_qk configs (CARRY: static and dynamic, both masks)."""
 import argparse
 
 import torch
@@ -30,6 +31,10 @@ ORDERED = {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 1, "persisten
            "q_buffers": 1, "grid_order": 1}
 HALF = {**DYNAMIC, "block_n": 128, "half_diag": 1}
 HALF_WIDE = {**DYNAMIC_WIDE, "block_n": 80, "half_diag": 1}
+# Each tile's first QK^T issued in the previous tile's last turn (carry_qk), a dummy after a
+# CTA's last tile: static pingpong and dynamic overlap, square tiles (causal needs them).
+CARRY = ({**DYNAMIC, "block_n": 128, "persistent": 1, "carry_qk": 1},
+         {**DYNAMIC, "block_n": 128, "schedule": 1, "carry_qk": 1})
 
 
 def within_rule(out, ref, pt):
@@ -51,6 +56,8 @@ parser.add_argument("--clusters", action="store_true",
                     help="only the Hopper forward's cluster configs (head dims 128 and 256)")
 parser.add_argument("--causal-keys", action="store_true",
                     help="only the Hopper forward's grid_order and half_diag configs (causal)")
+parser.add_argument("--carry", action="store_true",
+                    help="only the Hopper forward's carry_qk configs (head dims 64-192)")
 opts = parser.parse_args()
 MASK_MODS = opts.mask_mods
 
@@ -123,8 +130,22 @@ def check_all_causal_keys():
             check_causal_keys(head_dim, *problem)
 
 
+def check_carry():
+    """Both carry_qk configs on the ragged shapes, both masks; hd192 non-causal with 64-key
+    blocks only (two Q buffers leave no room for square tiles there; hd256: for none)."""
+    for head_dim, causal in [(d, c) for d in (64, 96, 128) for c in (False, True)] + [(192, False)]:
+        for q, k, v, ref, pt, seqlen_q, seqlen_k in ragged_problems(head_dim, causal):
+            for config in CARRY:
+                config = {**config, "block_n": 64} if head_dim == 192 else config
+                out, _ = flash_attn_forward_sm90(q, k, v, causal, config=config)
+                report(within_rule(out, ref, pt), "fwd carry", head_dim, causal, config,
+                       seqlen_q, seqlen_k)
+
+
 if opts.causal_keys:
     short_run("causal keys", check_all_causal_keys)
+if opts.carry:
+    short_run("carry", check_carry)
 if opts.clusters:
     short_run("clusters", check_clusters)
 for head_dim in MASK_MODS or (64, 96, 128, 192, 256):

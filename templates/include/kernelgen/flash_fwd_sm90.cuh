@@ -223,23 +223,72 @@ struct IssueTurns {
         if constexpr (C::kPingpong) named_barrier_sync(kSchedBarrier + wg, 256);
     }
     // The last warpgroup's last hand-off of the CTA's last tile would have no taker: skip it.
+    // carry_qk: every hand-off is made, and warpgroup 0 takes the last one after the CTA's last
+    // tile (drain): a branch on `last` with the next tile's S in flight across it made ptxas
+    // serialize every wgmma (C7519), predicated or not.
     __device__ __forceinline__ void release(bool last) const {
-        if constexpr (C::kPingpong)
+        if constexpr (C::kPingpong && C::kCarryQk)
+            named_barrier_arrive(kSchedBarrier + (wg + 1) % C::kConsumers, 256);
+        else if constexpr (C::kPingpong)
             if (!(last && wg == C::kConsumers - 1))
                 named_barrier_arrive(kSchedBarrier + (wg + 1) % C::kConsumers, 256);
     }
+    // carry_qk, once no wgmma is in flight: the turn the last warpgroup handed on last.
+    __device__ __forceinline__ void drain() const {
+        if constexpr (C::kPingpong && C::kCarryQk)
+            if (wg == 0) named_barrier_sync(kSchedBarrier, 256);
+    }
 };
+
+// The descriptors of a carried S: warpgroup wg's rows of the Q buffer of the CTA's `tile`-th tile
+// with work, and the K slot at ring position `position`.
+template <class C>
+__device__ __forceinline__ u64 carried_desc_q(u32 smem_u32, int wg, int tile) {
+    return desc_k_major<C::kSwizzle>(smem_u32 + q_slot<C>(tile) * C::kTileQ + wg * 64 * C::kSwizzle);
+}
+template <class C>
+__device__ __forceinline__ u64 carried_desc_k(u32 smem_u32, int position) {
+    return desc_k_major<C::kSwizzle>(smem_u32 + C::kOffK + (position % C::kStages) * C::kTileKV);
+}
+
+// The operands of a carried S have landed: Q of the `tile`-th tile with work, K at `position`.
+template <class C>
+__device__ __forceinline__ void wait_carried_operands(Sm90Barriers<C> bar, int tile, int position) {
+    mbarrier_wait(bar.full_q(q_slot<C>(tile)), q_parity<C>(tile));
+    mbarrier_wait(bar.full_k(position % C::kStages), u32(position / C::kStages) & 1);
+}
+
+// carry_qk: the S of a CTA's first tile with work, issued in a turn of its own before it
+// (`work`: the CTA has one). From then on every path into a tile with work has exactly one S
+// group in flight, its own, which ptxas needs to keep the wgmmas asynchronous (an issue under a
+// condition made it serialize them all: PERF_NOTES §31). Where no tile with work follows, the
+// S issued is a dummy nobody reads, over shared memory no copy or store writes any more (the
+// Q buffer and ring slot the next tile would have used), waited for after the CTA's last tile.
+template <class C>
+__device__ __forceinline__ void first_carried_qk(float (&acc_s)[C::kBlockN / 2], u32 smem_u32,
+                                                 Sm90Barriers<C> bar, IssueTurns<C> turns,
+                                                 bool work) {
+    if (work) wait_carried_operands<C>(bar, 0, 0);
+    turns.acquire();
+    fence_operands(acc_s);
+    wgmma_fence();
+    issue_qk<C>(acc_s, carried_desc_q<C>(smem_u32, turns.wg, 0), carried_desc_k<C>(smem_u32, 0));
+    turns.release(false);
+}
 
 // One consumer warpgroup: query rows 64 * wg .. 64 * wg + 63 of the tile.
 // `it0`: the ring position of the tile's first KV block; `tile`: how many tiles this CTA has
 // done (its Q buffer and the parity of full_q); `is_final()`: whether no later tile of this CTA
 // takes a turn (pingpong's last hand-off), called exactly once, after the last GEMM's issue (the
-// dynamic schedule learns its next tile there).
+// dynamic schedule learns its next tile there; carry_qk: before it, and "later" means with work:
+// the empty tiles between are not the consumers' turns then). `carried_s`: S's accumulators
+// with carry_qk, the caller's, in flight from one tile with work to the next.
 template <class C, class Mods, class IsFinal>
 __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a, const Mods& mods,
                                              unsigned char* tiles, u32 smem_u32, Sm90Barriers<C> bar,
                                              const TensorMap& map_o, IssueTurns<C> turns,
                                              const TileWork& w, int it0, int tile,
+                                             float (&carried_s)[C::kBlockN / 2],
                                              const IsFinal& is_final) {
     const int wg = turns.wg, row0 = w.row0, q_rows = w.q_rows;
     const int wg_row0 = row0 + wg * 64;
@@ -257,6 +306,9 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
                             ((C::kCausal && C::kBlockN < C::kBlockM) || Mods::kKvRange);
     const SkippedBlocks skipped = kSkips ? skipped_blocks<C>(a, mods, w, wg_row0)
                                          : SkippedBlocks{0, 0};
+    constexpr bool kCarry = C::kCarryQk;  // this tile's first S is in flight already
+    static_assert(!kCarry || (!kSkips && !Mods::kBlockSparse && C::kSchedule != 0),
+                  "carry_qk: every warpgroup's first block is the tile's");
     for (int i = 0; i < skipped.lead; ++i) {
         pass_kv_slot<C>(bar, it0 + i);
         turns.acquire();
@@ -304,7 +356,11 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         half0 = __shfl_sync(0xffffffffu, col0(0) + C::kBlockN / 2 > last_diagonal, 0);
     }
 
-    float acc_o[kAccO], acc_s[kAccS], alpha[2];
+    // S's accumulators: the caller's with carry_qk (in flight from tile to tile), else this
+    // tile's own (the caller's array then unused: the code as before the key).
+    float own_s[kAccS];
+    float (&acc_s)[kAccS] = Pick<kCarry>::from(carried_s, own_s);
+    float acc_o[kAccO], alpha[2];
     u32 p[C::kBlockN / 16][4];
     // O += P V of block i (half_diag: the first block's lower half, its upper P being 0).
     const auto pv = [&](int i) {
@@ -394,7 +450,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     };
 
     const int q_bar = C::kQSplit ? wg : slot;  // the barriers of this warpgroup's rows of Q
-    mbarrier_wait(bar.full_q(q_bar), q_parity<C>(tile));
+    if constexpr (!kCarry) mbarrier_wait(bar.full_q(q_bar), q_parity<C>(tile));
     if constexpr (C::kSchedule == 0) {
         // Plain: S, softmax, O += P V, one block after the other (the other warpgroups fill in).
         for (int i = 0; i < n_blocks; ++i) {
@@ -425,7 +481,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         // together; softmax of block i runs while the P V group still occupies the tensor cores.
         // (FA3 rescales O in the S group's shadow, after its issue: measured no faster here, and
         // a 4-byte spill in the document spec's hd256 causal variant; PERF_NOTES §16.)
-        mbarrier_wait(bar.full_k(stage(0)), parity(0));
+        if constexpr (!kCarry) mbarrier_wait(bar.full_k(stage(0)), parity(0));
         // Block 0 up to its P, whole or (half_diag) over its lower half. The two are separate
         // copies up to P, so that no S accumulator leaves a wgmma on one path and a move on the
         // other (ptxas then serialized every wgmma: C7511).
@@ -435,11 +491,13 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
                 #pragma unroll
                 for (int k = C::kBlockN / 4; k < C::kBlockN / 2; ++k) acc_s[k] = neg_inf();
             }
-            turns.acquire();
-            fence_operands(acc_s);
-            wgmma_fence();
-            issue_qk<C, decltype(half)::value>(acc_s, desc_q, stage_desc(desc_k, 0), kBiasInit);
-            turns.release(false);
+            if constexpr (!kCarry) {  // (carry_qk: issued in the previous tile's last turn)
+                turns.acquire();
+                fence_operands(acc_s);
+                wgmma_fence();
+                issue_qk<C, decltype(half)::value>(acc_s, desc_q, stage_desc(desc_k, 0), kBiasInit);
+                turns.release(false);
+            }
             const int c00 = early_col0(0);
             const ModBits<C> bits0 = mask_bits(0, c00);
             wgmma_wait<0>();
@@ -482,13 +540,28 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         // Early: the last block's alpha has no QK^T left to hide behind. (A tile of one block
         // rescales O = 0 by its alpha of 0, here and in the loop's first step.)
         if constexpr (C::kRescaleEarly) rescale(alpha);
+        // carry_qk: the next tile's first S goes into this turn, after the P V (the epilogue
+        // waits for that group only), so the next tile is known before it; its Q buffer and
+        // first ring slot are the ones after this tile's, real or (no next tile) a dummy's.
+        if constexpr (kCarry) {
+            final_turn = is_final();
+            if (!final_turn) wait_carried_operands<C>(bar, tile + 1, it + n_blocks);
+        }
         turns.acquire();
+        if constexpr (kCarry) fence_operands(acc_s);
         fence_pv_operands();
         wgmma_fence();
         pv(last);
-        final_turn = is_final();
+        if constexpr (kCarry)
+            issue_qk<C>(acc_s, carried_desc_q<C>(smem_u32, wg, tile + 1),
+                        carried_desc_k<C>(smem_u32, it + n_blocks));
+        else
+            final_turn = is_final();
         turns.release(skipped.trail == 0 && final_turn);  // else the last trailing turn's
-        wgmma_wait<0>();
+        if constexpr (kCarry)
+            wgmma_wait<1>();
+        else
+            wgmma_wait<0>();
         fence_operands(acc_o);
         release_kv_slot<C>(bar.empty_v(stage(last)), lane);
     }
@@ -692,26 +765,44 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
         }
     }
     const IssueTurns<C> turns{int(threadIdx.x / 128) - 1};
+    // S's accumulators. carry_qk: an S group is in flight from the first turn on, that of the
+    // next tile with work (first_carried_qk, then each tile's last turn), or after the last one
+    // a dummy; a tile without work (written at once) then takes no turn, dynamic or not.
+    float acc_s[C::kBlockN / 2];
+    constexpr bool kCarry = C::kCarryQk;
     if constexpr (C::kDynamic) {
         // Every tile, with work or not, takes one turn per warpgroup (an empty one hands it on
         // at once), so the turns stay in step without knowing the tiles ahead; each CTA has a
         // first tile (the grid is at most the tile count), so the first turn is always taken.
+        // (carry_qk: the tiles without work are written while the next tile is looked for.)
         turns.start();
         int j = 0;
-        for (int t = queue.take(j++); t < tiles_of_cta.count;) {
+        const auto take_work = [&] {
+            int t = queue.take(j++);
+            if constexpr (kCarry)
+                for (; t < tiles_of_cta.count && tiles_of_cta.at(a, t).n_blocks == 0;
+                     t = queue.take(j++))
+                    write_empty_tile<C>(a, tiles_of_cta.at(a, t), threadIdx.x - 128,
+                                        C::kThreads - 128);
+            return t;
+        };
+        int t = take_work();
+        if constexpr (kCarry) first_carried_qk<C>(acc_s, base, bar, turns, t < tiles_of_cta.count);
+        while (t < tiles_of_cta.count) {
             const TileWork w = tiles_of_cta.at(a, t);
             int next = tiles_of_cta.count;
             const auto is_final = [&] {
-                next = queue.take(j++);
+                next = take_work();
                 return next >= tiles_of_cta.count;
             };
-            if (w.n_blocks == 0) {
+            if (!kCarry && w.n_blocks == 0) {
                 write_empty_tile<C>(a, w, threadIdx.x - 128, C::kThreads - 128);
                 const bool final = is_final();
                 turns.acquire();
                 turns.release(final);
             } else {
-                sm90_consume<C>(a, mods, tiles, base, bar, map_o, turns, w, it, done, is_final);
+                sm90_consume<C>(a, mods, tiles, base, bar, map_o, turns, w, it, done, acc_s,
+                                is_final);
                 it += w.n_blocks;
                 ++done;
             }
@@ -721,17 +812,19 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
         // Pingpong's first turn, only in a CTA with a tile to compute: persistent, every tile of
         // a CTA may be empty (causal or a kv range), and an arrival no one waits for would stay
         // on the barrier past the CTA's exit.
+        // (carry_qk: always, and a turn for its first S, a dummy in a CTA without work.)
+        const bool work = !C::kPersistent ||
+                          tiles_of_cta.more_work(a, tiles_of_cta.first() - tiles_of_cta.step());
         if constexpr (C::kPingpong)
-            if (!C::kPersistent ||
-                tiles_of_cta.more_work(a, tiles_of_cta.first() - tiles_of_cta.step()))
-                turns.start();
+            if (kCarry || work) turns.start();
+        if constexpr (kCarry) first_carried_qk<C>(acc_s, base, bar, turns, work);
         for (int t = tiles_of_cta.first(); tiles_of_cta.valid(t); t += tiles_of_cta.step()) {
             const TileWork w = tiles_of_cta.at(a, t);
             if (w.n_blocks == 0) {   // persistent only: the other case returned above
                 write_empty_tile<C>(a, w, threadIdx.x - 128, C::kThreads - 128);
                 continue;
             }
-            sm90_consume<C>(a, mods, tiles, base, bar, map_o, turns, w, it, done,
+            sm90_consume<C>(a, mods, tiles, base, bar, map_o, turns, w, it, done, acc_s,
                             [&] { return !tiles_of_cta.more_work(a, t); });
             it += w.n_blocks;
             ++done;
@@ -740,6 +833,10 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
     // A cluster's CTAs leave together: the other one's consumers may still arrive on this CTA's
     // empty barriers (exited threads count as arrived at a cluster barrier, so the producer's
     // returned ones do not hold it up).
+    if constexpr (kCarry) {
+        wgmma_wait<0>();  // the dummy S after the CTA's last tile
+        turns.drain();
+    }
     if constexpr (C::kCluster > 1) cluster_sync();
     // The last tile's O store must have read shared memory before the CTA gives it up.
     if constexpr (C::kTmaStore)

@@ -13,6 +13,18 @@ struct Bool {
     static constexpr bool value = V;
 };
 
+// One of two references chosen at compile time: Pick<true>::from(a, b) is a, else b.
+template <bool First>
+struct Pick {
+    template <class T>
+    __device__ __forceinline__ static T& from(T& a, T&) { return a; }
+};
+template <>
+struct Pick<false> {
+    template <class T>
+    __device__ __forceinline__ static T& from(T&, T& b) { return b; }
+};
+
 // QkGemm::mma(float (&)[BLOCK_N / 2], u64 desc_q, u64 desc_k, int accumulate), QkGemmHalf::mma
 // (the same with N = BLOCK_N / 2) and PvGemm::mma(float (&)[HEAD_DIM / 2], const u32 (&p)[4],
 // u64 desc_v): one k16 step each, rendered by the template for this variant's N.
@@ -20,8 +32,8 @@ struct Bool {
 // pingpong between the consumer warpgroups (see sm90_consume).
 template <class Elem_, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool CAUSAL,
           int SCHEDULE, int PERSISTENT, int Q_BUFFERS, int SUM_MMA, int RESCALE, int Q_SPLIT,
-          int CLUSTER, int KV_ALIGN, int GRID_ORDER, int HALF_DIAG, class QkGemm_, class QkGemmHalf_,
-          class PvGemm_>
+          int CLUSTER, int KV_ALIGN, int GRID_ORDER, int HALF_DIAG, int CARRY_QK, class QkGemm_,
+          class QkGemmHalf_, class PvGemm_>
 struct Sm90Config {
     using Elem = Elem_;
     using QkGemm = QkGemm_;
@@ -66,6 +78,10 @@ struct Sm90Config {
     // HALF_DIAG 1 (causal, overlapped schedules): a warpgroup's diagonal block whose upper half
     // its rows do not see runs S and P V over the lower half only (QkGemmHalf; sm90_consume).
     static constexpr bool kHalfDiag = HALF_DIAG == 1;
+    // CARRY_QK 1 (persistent, two Q buffers, overlapped schedules): a tile's first QK^T is
+    // issued in the previous tile's last turn, with its last P V, so that it runs during that
+    // tile's epilogue (sm90_consume, issue_carried_qk).
+    static constexpr bool kCarryQk = CARRY_QK == 1;
     static constexpr int kConsumers = BLOCK_M / 64;          // one warpgroup per 64 query rows
     static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
     // Per-thread register budgets after setmaxnreg (FA3's: 24/240 for 2 consumers, 32/160 for 3).
@@ -101,6 +117,10 @@ struct Sm90Config {
                   "a second Q buffer serves the next tile of a persistent CTA");
     static_assert(!kRescaleEarly || SCHEDULE > 0, "rescale 1: a QK^T in flight to hide behind");
     static_assert(!kQSplit || Q_BUFFERS == 1, "q_split: the rows of the one Q buffer");
+    static_assert(!kCarryQk || (PERSISTENT && Q_BUFFERS == 2 && SCHEDULE > 0 && !kHalfDiag &&
+                                !(CAUSAL && BLOCK_N < BLOCK_M)),
+                  "carry_qk: the next tile's Q in its own buffer, an overlapped schedule, whole "
+                  "first blocks and no skipped ones");
     static_assert(CLUSTER == 1 || (CLUSTER == 2 && !PERSISTENT && !CAUSAL && kPanels % 2 == 0),
                   "a cluster's CTAs share the KV blocks of a CTA per tile, non-causal, by panels");
 };
