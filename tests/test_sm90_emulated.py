@@ -284,8 +284,15 @@ def test_half_diagonal_blocks(head_dim, shape, config, lazy):
                                       "persistent": 2}, True),
     (64, False, (1, 250, 400, 3, 1), {"block_m": 192, "block_n": 64, "schedule": 2,
                                       "persistent": 1, "sum_mma": 1}, False),
+    # half_diag: the carried S is the whole diagonal block's; the half's softmax and P V read
+    # its lower half (warpgroup 0 of square tiles), static pingpong and dynamic overlap.
+    (64, True, (2, 260, 260, 2, 2), {"block_n": 128, "schedule": 2, "persistent": 1,
+                                     "half_diag": 1}, True),
+    (128, True, (1, 300, 300, 2, 1), {"block_n": 128, "schedule": 1, "persistent": 2,
+                                      "half_diag": 1}, False),
 ], ids=["static-overlap", "static-pingpong-gqa", "static-empty-tiles", "dynamic-empty-tiles",
-        "dynamic-pingpong", "dynamic-overlap", "3wg-64b-swizzle", "3wg-sum-mma"])
+        "dynamic-pingpong", "dynamic-overlap", "3wg-64b-swizzle", "3wg-sum-mma",
+        "half-diag-static-pingpong", "half-diag-dynamic"])
 def test_carried_first_qk(head_dim, causal, shape, config, lazy):
     """carry_qk 1: a tile's first QK^T issued in the previous tile's last turn (or before the
     CTA's first tile), a dummy where no tile with work follows."""

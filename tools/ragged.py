@@ -35,6 +35,7 @@ HALF_WIDE = {**DYNAMIC_WIDE, "block_n": 80, "half_diag": 1}
 # CTA's last tile: static pingpong and dynamic overlap, square tiles (causal needs them).
 CARRY = ({**DYNAMIC, "block_n": 128, "persistent": 1, "carry_qk": 1},
          {**DYNAMIC, "block_n": 128, "schedule": 1, "carry_qk": 1})
+CARRY_HALF = {**CARRY[1], "half_diag": 1}   # causal: the carried S is the whole diagonal block's
 
 
 def within_rule(out, ref, pt):
@@ -135,7 +136,7 @@ def check_carry():
     blocks only (two Q buffers leave no room for square tiles there; hd256: for none)."""
     for head_dim, causal in [(d, c) for d in (64, 96, 128) for c in (False, True)] + [(192, False)]:
         for q, k, v, ref, pt, seqlen_q, seqlen_k in ragged_problems(head_dim, causal):
-            for config in CARRY:
+            for config in CARRY + ((CARRY_HALF,) if causal else ()):
                 config = {**config, "block_n": 64} if head_dim == 192 else config
                 out, _ = flash_attn_forward_sm90(q, k, v, causal, config=config)
                 report(within_rule(out, ref, pt), "fwd carry", head_dim, causal, config,

@@ -38,9 +38,9 @@ for lead in ${LEADS:-sched rescale bn pers}; do case $lead in
   orderwide) run orderwide --causal true --head-dims 128 256 --seqlens 2048 4096 8192 --rounds 5 \
                --alts '{"persistent": 0, "q_buffers": 1, "grid_order": 1}' ;;
   # Session 26 (PERF_NOTES §75): each tile's first QK^T in the previous tile's last turn,
-  # where the shipped config can take it (persistent, two Q buffers, no half_diag), and at
-  # causal 512/1k in place of half_diag.
+  # where the shipped config can take it (persistent, two Q buffers), and at causal 512/1k with
+  # and without half_diag.
   carry)   run carry --causal false --head-dims 64 128 192 --seqlens 512 1024 2048 --key carry_qk --values 0 1 --rounds 5 ;;
   carryc)  run carryc --causal true --head-dims 64 128 --seqlens 512 1024 --rounds 5 \
-               --alts '{"half_diag": 0, "carry_qk": 1}' '{"half_diag": 0, "carry_qk": 1, "persistent": 1}' ;;
+               --alts '{"carry_qk": 1}' '{"half_diag": 0, "carry_qk": 1}' ;;
 esac; done

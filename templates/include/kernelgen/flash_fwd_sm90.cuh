@@ -487,7 +487,9 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         // other (ptxas then serialized every wgmma: C7511).
         const auto first_block = [&](auto half) {
             if constexpr (kBiasInit) init_bias_columns<C>(acc_s, bias, col0(0));
-            if constexpr (decltype(half)::value) {
+            // (carry_qk: S is in flight already, over the whole block; the half's softmax
+            // reads its lower half only, and its upper half of P is 0 all the same.)
+            if constexpr (decltype(half)::value && !kCarry) {
                 #pragma unroll
                 for (int k = C::kBlockN / 4; k < C::kBlockN / 2; ++k) acc_s[k] = neg_inf();
             }

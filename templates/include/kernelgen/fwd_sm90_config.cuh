@@ -117,10 +117,10 @@ struct Sm90Config {
                   "a second Q buffer serves the next tile of a persistent CTA");
     static_assert(!kRescaleEarly || SCHEDULE > 0, "rescale 1: a QK^T in flight to hide behind");
     static_assert(!kQSplit || Q_BUFFERS == 1, "q_split: the rows of the one Q buffer");
-    static_assert(!kCarryQk || (PERSISTENT && Q_BUFFERS == 2 && SCHEDULE > 0 && !kHalfDiag &&
+    static_assert(!kCarryQk || (PERSISTENT && Q_BUFFERS == 2 && SCHEDULE > 0 &&
                                 !(CAUSAL && BLOCK_N < BLOCK_M)),
-                  "carry_qk: the next tile's Q in its own buffer, an overlapped schedule, whole "
-                  "first blocks and no skipped ones");
+                  "carry_qk: the next tile's Q in its own buffer, an overlapped schedule and no "
+                  "skipped first blocks");
     static_assert(CLUSTER == 1 || (CLUSTER == 2 && !PERSISTENT && !CAUSAL && kPanels % 2 == 0),
                   "a cluster's CTAs share the KV blocks of a CTA per tile, non-causal, by panels");
 };
