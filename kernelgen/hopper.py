@@ -4,9 +4,11 @@
 holds what only this family needs, the tensor maps, and an explicit entry point that takes a
 config. The kernel takes the sm80 family's arguments plus four tensor maps (kernelgen/tma.py: Q,
 K, V, and O for the configs that store it by TMA) whose layouts a launch plan keeps; per call only
-the addresses change (tma.encode); then the dynamic schedule's tile counter (tile_counter).
+the addresses change (tma.encode); then the dynamic schedule's tile counter (counter_address).
 """
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -64,6 +66,46 @@ def counter_words(config, q_shape) -> int:
     heads, ...): the claims (with kDefer a 64-bit word), two counts and an entry per tile."""
     batch, seqlen_q, heads = q_shape[:3]
     return 4 + batch * heads * -(-seqlen_q // config["block_m"])
+
+
+# Zeroed counter words for eager launches, handed out once each from one buffer per (device,
+# stream): a launch takes the next `counter_words` words (rounded to 16 bytes) instead of a
+# torch.zeros of its own, whose allocation and memset kernel cost ~13 us of host time per call
+# and a ~1.5 us kernel on the stream (PERF_NOTES §43, §44, §76). Words are never handed out
+# twice; a full buffer is dropped for a fresh zeroed one, and the caching allocator reuses the
+# old one only on its stream, after the launches that read it. Launches on another stream take
+# another buffer (never one word shared by concurrent launches); a captured CUDA graph gets a
+# fresh counter per launch (tile_counter), its memset a node of the graph, so that replays on
+# any stream never share one.
+_POOLS: dict[tuple[int, int], list] = {}   # (device, stream) -> [buffer, next free word]
+POOL_WORDS = 1 << 18                         # 1 MiB of int32 words per buffer (at least)
+_MAX_POOLS = 64
+_POOL_LOCK = threading.Lock()
+
+
+def counter_address(kernel, q, stream: int) -> tuple[int, object]:
+    """(device address of a zeroed counter for one launch of `kernel` on query `q` on `stream`,
+    the tensor to keep alive until the launch is enqueued or None): 0 for configs without the
+    dynamic schedule; from the (device, stream)'s buffer, or while a graph is captured a fresh
+    tensor (tile_counter)."""
+    if kernel.config["persistent"] != 2:
+        return 0, None
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        counter = tile_counter(kernel, q)
+        return counter.data_ptr(), counter
+    words = -(-counter_words(kernel.config, q.shape) // 4) * 4   # 16-byte aligned slices
+    key = (q.device.index, stream)
+    with _POOL_LOCK:
+        pool = _POOLS.get(key)
+        if pool is None or pool[1] + words > pool[0].numel():
+            if pool is None and len(_POOLS) >= _MAX_POOLS:
+                _POOLS.clear()
+            # Made on the current stream (the launch's), like the launch that reads it.
+            pool = _POOLS[key] = [torch.zeros(max(POOL_WORDS, 4 * words), dtype=torch.int32,
+                                              device=q.device), 0]
+        address = pool[0].data_ptr() + 4 * pool[1]
+        pool[1] += words
+    return address, None
 
 
 def tile_counter(kernel, q):

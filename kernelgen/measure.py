@@ -138,24 +138,23 @@ class Workload:
 
     def launcher(self, kernel: api.BoundKernel):
         """fn() that launches `kernel` on these inputs, with everything but the call worked out."""
-        values = {**self.values, **self._maps(kernel)}
-        counter = None
-        if "tile_counter" in self.names:
-            from kernelgen import hopper
-
-            counter = hopper.tile_counter(kernel, self.q)
-            values["tile_counter"] = hopper.pointer(counter)
-        values = tuple(values[name] for name in self.names)
+        values = {**self.values, **self._maps(kernel), "tile_counter": 0}
+        values = [values[name] for name in self.names]
         # Every value a grid may read: the sizes, and a mods spec's scalars (measure_mods.py).
         grid = kernel.grid({**self.values,
                             "sm_count": api.sm_count(self.device) if self.q.is_cuda else 4})
         stream, device = api._current_stream(self.device), self.device
-        if counter is None:
+        if "tile_counter" not in self.names or kernel.config["persistent"] != 2:
+            values = tuple(values)
             return lambda: kernel.launch(values, grid, device, stream)
+        from kernelgen import hopper
+
+        at = self.names.index("tile_counter")
 
         def launch_dynamic():
-            counter.zero_()   # what the library's call does: a zero counter per launch
-            kernel.launch(values, grid, device, stream)
+            # What the library's call does: fresh zero words of the stream's pooled counters.
+            values[at] = hopper.counter_address(kernel, self.q, stream)[0]
+            kernel.launch(tuple(values), grid, device, stream)
 
         return launch_dynamic
 

@@ -141,11 +141,12 @@ def _launch(plan: _Plan, q, k, v, softmax_scale: float, mod_values: tuple):
     if out.numel() == 0:
         return out, lse
     maps = hopper.encode_maps(plan.maps, q, k, v, out)
-    counter = hopper.tile_counter(plan.kernel, q)
+    device = q.device.index
+    stream = api._current_stream(device)
+    counter, alive = hopper.counter_address(plan.kernel, q, stream)  # alive: past the launch
     args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
             batch, heads, k.shape[2], seqlen_q, k.shape[1], float(softmax_scale),
-            *maps, hopper.pointer(counter), *mod_values)
-    device = q.device.index
-    plan.kernel.launch(args, plan.grid, device, api._current_stream(device))
+            *maps, counter, *mod_values)
+    plan.kernel.launch(args, plan.grid, device, stream)
     return out, lse

@@ -196,20 +196,22 @@ def _launch(plan: _Plan, q, k, v):
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    args, counter = _arguments(plan, q, k, v, out, lse)  # counter: alive past the launch
-    plan.kernel.launch(args, plan.grid, plan.device, api._current_stream(plan.device))
+    stream = api._current_stream(plan.device)
+    args, counter = _arguments(plan, q, k, v, out, lse, stream)  # counter: alive past the launch
+    plan.kernel.launch(args, plan.grid, plan.device, stream)
     return out, lse
 
 
-def _arguments(plan: _Plan, q, k, v, out, lse) -> tuple:
-    """(the kernel's arguments in order, the dynamic schedule's counter tensor or None)."""
+def _arguments(plan: _Plan, q, k, v, out, lse, stream: int) -> tuple:
+    """(the kernel's arguments in order, a tensor to keep alive until the launch or None: the
+    dynamic schedule's counter while a graph is captured)."""
     args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), *plan.scalars)
     counter = None
     if plan.maps:
         from kernelgen import hopper
 
-        counter = hopper.tile_counter(plan.kernel, q)
-        args += (*hopper.encode_maps(plan.maps, q, k, v, out), hopper.pointer(counter))
+        address, counter = hopper.counter_address(plan.kernel, q, stream)
+        args += (*hopper.encode_maps(plan.maps, q, k, v, out), address)
     return args, counter
 
 

@@ -397,6 +397,35 @@ def test_tensor_maps_follow_the_kernel_tiles_and_the_operand_strides():
     assert split.box == (64, 64, 1, 1, 1) and split.strides == maps[0].strides
 
 
+def test_counters_are_words_of_a_zeroed_buffer_handed_out_once(monkeypatch):
+    """hopper.counter_address: each dynamic-schedule launch gets counter_words zero words of its
+    (device, stream)'s buffer, 16-byte aligned, never handed out twice; a full buffer is replaced
+    by a fresh zeroed one; another stream has its own; other configs get no counter (0)."""
+    import types
+
+    import torch
+
+    from kernelgen import hopper
+
+    monkeypatch.setattr(hopper, "_POOLS", {})
+    monkeypatch.setattr(hopper, "POOL_WORDS", 64)
+    dynamic = types.SimpleNamespace(config={"persistent": 2, "block_m": 128})
+    q = torch.empty(1, 300, 2, 64, dtype=torch.bfloat16)   # 3 tiles x 2 heads: 4 + 6 words -> 12
+    assert hopper.counter_address(types.SimpleNamespace(config={"persistent": 1}), q, 7) == (0, None)
+    taken = [hopper.counter_address(dynamic, q, 7)[0] for _ in range(5)]   # 5 x 12 of 64 words
+    first = hopper._POOLS[(None, 7)][0]
+    assert taken == [first.data_ptr() + 48 * i for i in range(5)]
+    taken.append(hopper.counter_address(dynamic, q, 7)[0])                # the 6th: a new buffer
+    fresh = hopper._POOLS[(None, 7)]
+    assert fresh[0] is not first and taken[5] == fresh[0].data_ptr() and fresh[1] == 12
+    assert first.count_nonzero() == 0 and fresh[0].count_nonzero() == 0
+    other, alive = hopper.counter_address(dynamic, q, 8)
+    assert alive is None and other not in taken and len(hopper._POOLS) == 2
+    big = torch.empty(4, 4096, 8, 64, dtype=torch.bfloat16)  # 4 + 1024 words: a buffer of 4 x that
+    address, _ = hopper.counter_address(dynamic, big, 7)
+    assert hopper._POOLS[(None, 7)][0].numel() == 4 * 1028 and hopper._POOLS[(None, 7)][0].data_ptr() == address
+
+
 def test_a_cluster_loads_its_share_of_the_kv_panels():
     import torch
 

@@ -119,6 +119,13 @@ CONFIGS = [
     (96, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 2,
           "carry_qk": 1}),
 ]
+# carry_qk with half_diag (causal only): the carried S is the whole diagonal block's.
+CAUSAL_CONFIGS = [
+    (64, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2, "q_buffers": 2,
+          "half_diag": 1, "carry_qk": 1}),
+    (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 2,
+           "half_diag": 1, "carry_qk": 1}),
+]
 
 
 @pytest.mark.parametrize("head_dim, config", CONFIGS,
@@ -126,6 +133,13 @@ CONFIGS = [
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_schedules_and_tiles(monkeypatch, head_dim, config, causal):
     check_config(monkeypatch, head_dim, config, causal, torch.bfloat16)
+
+
+@pytest.mark.parametrize("head_dim, config", CAUSAL_CONFIGS,
+                         ids=[f"hd{d}-{'_'.join(f'{k}{v}' for k, v in c.items())}"
+                              for d, c in CAUSAL_CONFIGS])
+def test_causal_only_configs(monkeypatch, head_dim, config):
+    check_config(monkeypatch, head_dim, config, True, torch.bfloat16)
 
 
 def check_config(monkeypatch, head_dim, config, causal, dtype):
@@ -235,6 +249,47 @@ def test_fully_masked_rows_and_empty_keys():
     out, lse = forward(q, empty, empty, False)
     torch.cuda.synchronize()
     assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+
+
+def test_dynamic_counters_across_streams_and_graphs(monkeypatch):
+    """The dynamic schedule's counters (hopper.counter_address): eager launches take words of
+    their stream's pooled buffer (more launches than one buffer holds, on two streams at once),
+    a captured graph a fresh counter per launch, replayed on a third stream while eager
+    launches run; every output equal bit for bit to the first (a tile is one CTA's whatever the
+    claims), every pooled word handed out once."""
+    from kernelgen import hopper
+
+    monkeypatch.setattr(hopper, "_POOLS", {})
+    monkeypatch.setattr(hopper, "POOL_WORDS", 1024)   # buffers of 15 launches here
+    config = {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 2,
+              "q_buffers": 2}
+    torch.manual_seed(11)
+    q, k, v = (make(2, 1000, 4, 64, torch.bfloat16) for _ in range(3))
+    want, _ = forward(q, k, v, True, config=config)
+    words = hopper.counter_words(config, q.shape)
+    calls = 6 * (hopper.POOL_WORDS // words) + 5   # past three buffers on each stream
+    streams = [torch.cuda.Stream() for _ in range(3)]
+    outs = []
+    for i in range(calls):
+        with torch.cuda.stream(streams[i % 2]):
+            outs.append(forward(q, k, v, True, config=config)[0])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(streams[2]):
+        forward(q, k, v, True, config=config)   # warm-up before capture
+        with torch.cuda.graph(graph, stream=streams[2]):
+            captured = [forward(q, k, v, True, config=config)[0] for _ in range(3)]
+        replays = []
+        for _ in range(2):
+            graph.replay()
+            replays.append([o.clone() for o in captured])
+    for i in range(8):
+        with torch.cuda.stream(streams[i % 2]):
+            outs.append(forward(q, k, v, True, config=config)[0])
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, want) for o in outs)
+    assert all(torch.equal(o, want) for r in replays for o in r)
+    pools = [hopper._POOLS[(q.device.index, s.cuda_stream)] for s in streams[:2]]
+    assert all(0 < pool[1] <= pool[0].numel() for pool in pools)
 
 
 def test_agrees_with_the_sm80_family():

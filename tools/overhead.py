@@ -3,8 +3,9 @@
 The pieces of a repeated call on a tiny problem (1 x 64 x 1 x 64 bf16, the bench's probe), each
 timed alone over 3000 queued calls, then cProfile of the whole call. The launch arguments come
 from the call's own plan (ops._arguments), so the rows hold for either forward family: sm90 adds
-the tensor maps (tma.encode per operand) and, for the dynamic schedule, the tile counter's
-torch.zeros."""
+the tensor maps (tma.encode per operand) and, for the dynamic schedule, the tile counter
+(hopper.counter_address: words of a pooled zeroed buffer; tile_counter, its torch.zeros per
+launch, is what a captured graph gets and what every call made before)."""
 import cProfile
 import ctypes
 import pstats
@@ -33,8 +34,8 @@ signature, plan = next(iter(ops._PLANS.items()))
 kernel = plan.kernel
 out = torch.empty(plan.out_shape, dtype=plan.dtype, device="cuda")
 lse = torch.empty(plan.lse_shape, device="cuda")
-args, counter = ops._arguments(plan, q, q, q, out, lse)
 stream = api._current_stream(0)
+args, counter = ops._arguments(plan, q, q, q, out, lse, stream)
 k = kernel.kernel
 loaded = k._loaded[0]
 from cuda.bindings import driver  # noqa: E402
@@ -53,7 +54,7 @@ rows = {
          q.device, q.device, q.device, False, None)),
     "2x torch.empty": lambda: (torch.empty(plan.out_shape, dtype=plan.dtype, device=q.device),
                                torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)),
-    "ops._arguments": lambda: ops._arguments(plan, q, q, q, out, lse),
+    "ops._arguments": lambda: ops._arguments(plan, q, q, q, out, lse, stream),
     "BoundKernel.launch": lambda: kernel.launch(args, plan.grid, 0, stream),
     "driver.cuLaunchKernel": lambda: driver.cuLaunchKernel(loaded.function, *plan.grid, *kernel.block,
                                                           kernel.smem, handle, k._params_address, 0),
@@ -65,7 +66,9 @@ rows = {
 }
 if plan.maps:
     rows["hopper.encode_maps"] = lambda: hopper.encode_maps(plan.maps, q, q, q, out)
+    rows["hopper.counter_address"] = lambda: hopper.counter_address(kernel, q, stream)
     rows["hopper.tile_counter"] = lambda: hopper.tile_counter(kernel, q)
+    rows["is_current_stream_capturing"] = torch.cuda.is_current_stream_capturing
     rows["torch.zeros(4, int32)"] = lambda: torch.zeros(4, dtype=torch.int32, device=q.device)
     rows["torch.empty(4, int32)"] = lambda: torch.empty(4, dtype=torch.int32, device=q.device)
 for name, fn in rows.items():
