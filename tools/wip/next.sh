@@ -5,7 +5,8 @@
 #   bash tools/wip/next.sh grid    # ~4 min: the forward grid against cuDNN (after a winner ships)
 #   HD=256 bash tools/wip/next.sh retune  # <= 9 min: hd256 (then HD=192) causal 2k-16k tuned, grid_order searched
 #   bash tools/wip/next.sh stalls  # ~3 min: PC sampling of short against long tiles (PERF_NOTES §73)
-#   bash tools/wip/next.sh carry   # ~6 min: carry_qk's GPU tests, memcheck, leads (PERF_NOTES §75)
+#   bash tools/wip/next.sh carry   # ~6 min: carry_qk's and the pooled counters' GPU tests, memcheck,
+#                                  # carry_qk's leads (PERF_NOTES §75, §76)
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
@@ -22,7 +23,7 @@ case $1 in
   stalls) STEPS=ncusrc T_ncusrc=120 NCU_CASES="flash_attn_fwd_sm90@--head-dim 128 --seqlen 1024;flash_attn_fwd_sm90@--head-dim 128 --seqlen 8192;flash_attn_fwd_sm90@--head-dim 64 --seqlen 512 --causal" \
            bash tools/h200_run.sh 2>&1 | tee "$OUT/stalls.txt" | tail -120 ;;
   carry) # carry_qk (built in session 26 on the CPU): numerics, memcheck, then the A/B leads
-         PYTHONPATH=. timeout 200 python3 -m pytest -q -m gpu tests/test_sm90_gpu.py -k carry_qk 2>&1 | tail -3
+         PYTHONPATH=. timeout 200 python3 -m pytest -q -m gpu tests/test_sm90_gpu.py -k "carry_qk or counters" 2>&1 | tail -3
          STEPS=memcheck T_memcheck=150 RAGGED_ARGS=--carry bash tools/h200_run.sh 2>&1 | tail -4
          LEADS="carry carryc" LEAD_T=110 bash tools/wip/leads.sh 2>&1 | tee "$OUT/carry.txt" | tail -40 ;;
   *) echo "usage: $0 suite|grid|retune|stalls|carry"; exit 2 ;;
