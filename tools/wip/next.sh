@@ -5,8 +5,8 @@
 #   bash tools/wip/next.sh grid    # ~4 min: the forward grid against cuDNN (after a winner ships)
 #   HD=256 bash tools/wip/next.sh retune  # <= 9 min: hd256 (then HD=192) causal 2k-16k tuned, grid_order searched
 #   bash tools/wip/next.sh stalls  # ~3 min: PC sampling of short against long tiles (PERF_NOTES §73)
-#   bash tools/wip/next.sh carry   # ~6 min: carry_qk's and the pooled counters' GPU tests, memcheck,
-#                                  # carry_qk's leads (PERF_NOTES §75, §76)
+#   bash tools/wip/next.sh carry   # ~4 min: carry_qk's and the pooled counters' GPU tests, memcheck
+#   bash tools/wip/next.sh carryab # ~5 min: carry_qk's config_ab leads (PERF_NOTES §75, §76)
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
@@ -24,7 +24,8 @@ case $1 in
            bash tools/h200_run.sh 2>&1 | tee "$OUT/stalls.txt" | tail -120 ;;
   carry) # carry_qk (built in session 26 on the CPU): numerics, memcheck, then the A/B leads
          PYTHONPATH=. timeout 200 python3 -m pytest -q -m gpu tests/test_sm90_gpu.py -k "carry_qk or counters" 2>&1 | tail -3
-         STEPS=memcheck T_memcheck=150 RAGGED_ARGS=--carry bash tools/h200_run.sh 2>&1 | tail -4
-         LEADS="carry carryc" LEAD_T=110 bash tools/wip/leads.sh 2>&1 | tee "$OUT/carry.txt" | tail -40 ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry"; exit 2 ;;
+         STEPS=memcheck T_memcheck=200 RAGGED_ARGS=--carry bash tools/h200_run.sh 2>&1 | tail -4 ;;
+  carryab) # ~5 min: carry_qk against the shipped configs (config_ab, interleaved rounds)
+         LEADS="carry carryc" LEAD_T=160 bash tools/wip/leads.sh 2>&1 | tee "$OUT/carry.txt" | tail -40 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab"; exit 2 ;;
 esac
