@@ -266,6 +266,7 @@ def test_dynamic_counters_across_streams_and_graphs(monkeypatch):
     torch.manual_seed(11)
     q, k, v = (make(2, 1000, 4, 64, torch.bfloat16) for _ in range(3))
     want, _ = forward(q, k, v, True, config=config)
+    torch.cuda.synchronize()   # the inputs and `want` are the default stream's
     words = hopper.counter_words(config, q.shape)
     calls = 6 * (hopper.POOL_WORDS // words) + 5   # past three buffers on each stream
     streams = [torch.cuda.Stream() for _ in range(3)]
