@@ -91,6 +91,15 @@ def test_carry_qk_needs_two_q_buffers_and_no_skipped_first_blocks(causal):
     assert not any(c.as_dict()["carry_qk"] for c in BASE.tuned_configs(variant))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_q_prefetch_is_for_persistent_ctas_with_one_q_buffer(causal):
+    variant = BASE.variant(head_dim=256, dtype="bf16", causal=causal)
+    prefetching = [c.as_dict() for c in BASE.valid_configs(variant) if c.as_dict()["q_prefetch"]]
+    assert prefetching and all(c["persistent"] and c["q_buffers"] == 1 for c in prefetching)
+    assert {c["persistent"] for c in prefetching} == {1, 2}
+    assert not any(c.as_dict()["q_prefetch"] for c in BASE.tuned_configs(variant))  # PERF_NOTES §77
+
+
 def test_a_parsed_specs_hopper_spec_is_remembered(tmp_path):
     """forward_sm90 runs on every call: a KernelSpec's Hopper spec is parsed once, and a spec
     whose text changed (a new KernelSpec) gets its own."""
@@ -206,7 +215,7 @@ def test_forward_sm90_launches_the_hopper_kernel_with_the_mod_args_last(no_gpu):
     (kernel, values, grid), = launches
     assert kernel.spec.name == "flash_attn_document__flash_attn_fwd_sm90"
     defaults = {"q_buffers": 1, "sum_mma": 0, "rescale": 0, "q_split": 0, "cluster": 1,
-                "kv_align": 0, "grid_order": 0, "half_diag": 0, "carry_qk": 0}
+                "kv_align": 0, "grid_order": 0, "half_diag": 0, "carry_qk": 0, "q_prefetch": 0}
     assert kernel.config.as_dict() == {**config, **defaults} and not problems   # explicit: no lookup
     assert grid == (5, 1, 1)   # persistent: min(3 query tiles * 4 heads * 2, sm_count)
     names = [a.name for a in kernel.spec.args]

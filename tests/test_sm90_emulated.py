@@ -201,6 +201,14 @@ CASES = [
     # second warpgroup's rows are not loaded at all.
     (64, torch.bfloat16, True, (1, 550, 130, 2, 2),
      {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2, "persistent": 1, "q_split": 1}, True),
+    # q_prefetch: each tile's Q boxes prefetched (checked against the map) before the wait for
+    # the one Q buffer: split (a box per warpgroup and panel, 64B swizzle) and whole, dynamic.
+    (96, torch.bfloat16, True, (1, 550, 130, 2, 2),
+     {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 1, "persistent": 1, "q_split": 1,
+      "q_prefetch": 1}, False),
+    (128, torch.float16, False, (2, 290, 200, 2, 2),
+     {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 2, "q_prefetch": 1},
+     True),
 ]
 
 

@@ -119,6 +119,14 @@ CONFIGS = [
     (96, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 2,
           "carry_qk": 1}),
 ]
+# q_prefetch (the next tile's Q into L2 before the wait for the one Q buffer): static with
+# q_split (a box per warpgroup and panel), dynamic without.
+CONFIGS += [
+    (256, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 2, "persistent": 1, "rescale": 1,
+           "q_split": 1, "q_prefetch": 1}),
+    (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2,
+           "q_prefetch": 1}),
+]
 # carry_qk with half_diag (causal only): the carried S is the whole diagonal block's.
 CAUSAL_CONFIGS = [
     (64, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2, "q_buffers": 2,

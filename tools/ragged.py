@@ -6,7 +6,8 @@ if any output is wrong.
 given (default all): the short run for a change to how the kernels evaluate a mask_mod.
 --clusters: only the Hopper forward's clusters (CLUSTER, and its 3-stage pingpong sibling).
 --causal-keys: only the Hopper forward's causal grid_order and half_diag configs (ORDERED, HALF).
---carry: only the Hopper forward's carry_qk configs (CARRY: static and dynamic, both masks)."""
+--carry: only the Hopper forward's carry_qk and q_prefetch configs (CARRY, PREFETCH: static and
+dynamic, both masks)."""
 import argparse
 
 import torch
@@ -36,6 +37,9 @@ HALF_WIDE = {**DYNAMIC_WIDE, "block_n": 80, "half_diag": 1}
 CARRY = ({**DYNAMIC, "block_n": 128, "persistent": 1, "carry_qk": 1},
          {**DYNAMIC, "block_n": 128, "schedule": 1, "carry_qk": 1})
 CARRY_HALF = {**CARRY[1], "half_diag": 1}   # causal: the carried S is the whole diagonal block's
+# The next tile's Q into L2 before the wait for the one Q buffer (q_prefetch): split and whole.
+PREFETCH = ({**DYNAMIC_WIDE, "persistent": 1, "q_split": 1, "q_prefetch": 1},
+            {**DYNAMIC_WIDE, "q_prefetch": 1})
 
 
 def within_rule(out, ref, pt):
@@ -58,7 +62,7 @@ parser.add_argument("--clusters", action="store_true",
 parser.add_argument("--causal-keys", action="store_true",
                     help="only the Hopper forward's grid_order and half_diag configs (causal)")
 parser.add_argument("--carry", action="store_true",
-                    help="only the Hopper forward's carry_qk configs (head dims 64-192)")
+                    help="only the Hopper forward's carry_qk and q_prefetch configs")
 opts = parser.parse_args()
 MASK_MODS = opts.mask_mods
 
@@ -141,6 +145,13 @@ def check_carry():
                 out, _ = flash_attn_forward_sm90(q, k, v, causal, config=config)
                 report(within_rule(out, ref, pt), "fwd carry", head_dim, causal, config,
                        seqlen_q, seqlen_k)
+    for head_dim in (96, 256):
+        for causal in (False, True):
+            for q, k, v, ref, pt, seqlen_q, seqlen_k in ragged_problems(head_dim, causal):
+                for config in PREFETCH:
+                    out, _ = flash_attn_forward_sm90(q, k, v, causal, config=config)
+                    report(within_rule(out, ref, pt), "fwd q_prefetch", head_dim, causal, config,
+                           seqlen_q, seqlen_k)
 
 
 if opts.causal_keys:

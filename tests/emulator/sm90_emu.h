@@ -187,6 +187,15 @@ inline unsigned swizzled(unsigned addr, unsigned swizzle_bytes) {  // CuTe Swizz
     return addr ^ (((addr >> 7) & mask) << 4);
 }
 
+inline void check_prefetch(const void* map_bytes, const int (&coords)[5]) {
+    MapFields m;
+    memcpy(&m, map_bytes, sizeof m);
+    if (m.rank != 5) fail("tensor map rank", m.rank);
+    if (coords[0] != 0 || coords[1] < 0) fail("prefetch box origin", coords[1]);
+    for (int d = 2; d < 5; ++d)
+        if (coords[d] < 0 || coords[d] >= (long long)m.dims[d]) fail("prefetch box outside", d);
+}
+
 inline void tma_load(unsigned dst, const void* map_bytes, unsigned bar, const int (&coords)[5]) {
     MapFields m;
     memcpy(&m, map_bytes, sizeof m);

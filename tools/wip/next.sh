@@ -6,7 +6,7 @@
 #   HD=256 bash tools/wip/next.sh retune  # <= 9 min: hd256 (then HD=192) causal 2k-16k tuned, grid_order searched
 #   bash tools/wip/next.sh stalls  # ~3 min: PC sampling of short against long tiles (PERF_NOTES §73)
 #   bash tools/wip/next.sh carry   # ~4 min: carry_qk's and the pooled counters' GPU tests, memcheck
-#   bash tools/wip/next.sh carryab # ~5 min: carry_qk's config_ab leads (PERF_NOTES §75, §76)
+#   bash tools/wip/next.sh carryab # ~7 min: carry_qk's and q_prefetch's leads (PERF_NOTES §75, §77)
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
@@ -26,6 +26,6 @@ case $1 in
          PYTHONPATH=. timeout 200 python3 -m pytest -q -m gpu tests/test_sm90_gpu.py -k "carry_qk or counters" 2>&1 | tail -3
          STEPS=memcheck T_memcheck=200 RAGGED_ARGS=--carry bash tools/h200_run.sh 2>&1 | tail -4 ;;
   carryab) # ~5 min: carry_qk against the shipped configs (config_ab, interleaved rounds)
-         LEADS="carry carryc" LEAD_T=160 bash tools/wip/leads.sh 2>&1 | tee "$OUT/carry.txt" | tail -40 ;;
+         LEADS="carry carryc qpf" LEAD_T=150 bash tools/wip/leads.sh 2>&1 | tee "$OUT/carry.txt" | tail -50 ;;
   *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab"; exit 2 ;;
 esac

@@ -32,8 +32,8 @@ struct Pick<false> {
 // pingpong between the consumer warpgroups (see sm90_consume).
 template <class Elem_, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool CAUSAL,
           int SCHEDULE, int PERSISTENT, int Q_BUFFERS, int SUM_MMA, int RESCALE, int Q_SPLIT,
-          int CLUSTER, int KV_ALIGN, int GRID_ORDER, int HALF_DIAG, int CARRY_QK, class QkGemm_,
-          class QkGemmHalf_, class PvGemm_>
+          int CLUSTER, int KV_ALIGN, int GRID_ORDER, int HALF_DIAG, int CARRY_QK, int Q_PREFETCH,
+          class QkGemm_, class QkGemmHalf_, class PvGemm_>
 struct Sm90Config {
     using Elem = Elem_;
     using QkGemm = QkGemm_;
@@ -82,6 +82,10 @@ struct Sm90Config {
     // issued in the previous tile's last turn, with its last P V, so that it runs during that
     // tile's epilogue (sm90_consume, issue_carried_qk).
     static constexpr bool kCarryQk = CARRY_QK == 1;
+    // Q_PREFETCH 1 (persistent, one Q buffer): once a tile's loads are issued, the producer
+    // prefetches the next tile's Q into L2, so that its load after this tile's epilogue reads
+    // L2 rather than DRAM (prefetch_q).
+    static constexpr bool kQPrefetch = Q_PREFETCH == 1;
     static constexpr int kConsumers = BLOCK_M / 64;          // one warpgroup per 64 query rows
     static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
     // Per-thread register budgets after setmaxnreg (FA3's: 24/240 for 2 consumers, 32/160 for 3).
@@ -121,6 +125,8 @@ struct Sm90Config {
                                 !(CAUSAL && BLOCK_N < BLOCK_M)),
                   "carry_qk: the next tile's Q in its own buffer, an overlapped schedule and no "
                   "skipped first blocks");
+    static_assert(!kQPrefetch || (PERSISTENT && Q_BUFFERS == 1),
+                  "q_prefetch: a persistent CTA's next tile, whose Q loads after the epilogue");
     static_assert(CLUSTER == 1 || (CLUSTER == 2 && !PERSISTENT && !CAUSAL && kPanels % 2 == 0),
                   "a cluster's CTAs share the KV blocks of a CTA per tile, non-causal, by panels");
 };

@@ -36,6 +36,21 @@ __device__ __forceinline__ void sm90_produce(u32 base, Sm90Barriers<C> bar, cons
                                              const TileWork& w, int kv_head, int it0, int tile) {
     const int row0 = w.row0, head = w.head, batch = w.batch, n_blocks = w.n_blocks;
     const int j = q_slot<C>(tile);
+    // q_prefetch: this tile's Q into L2 (the boxes below, no shared memory, no barrier) before
+    // the wait for its buffer, which the previous tile's epilogue hands back: the producer gets
+    // here as soon as that tile's loads are issued, `stages` blocks ahead of its consumers, so
+    // the load after the epilogue reads L2 rather than DRAM.
+    if constexpr (C::kQPrefetch) {
+        if (tile > 0) {
+            if constexpr (C::kQSplit) {
+                for (int g = 0; g < C::kConsumers; ++g)
+                    for (int p = 0; p < C::kPanels; ++p)
+                        tma_prefetch_5d(map_q, 0, row0 + g * 64, p, head, batch);
+            } else {
+                tma_prefetch_5d(map_q, 0, row0, 0, head, batch);
+            }
+        }
+    }
     // Split: warpgroup g's rows, a box of 64 rows per panel (the map's box), where the tile's
     // layout puts them: panel p at p * BLOCK_M rows, the rows at g * 64 inside it.
     // Rows wholly past seqlen_q are not loaded (their barrier completes on the arrival alone):

@@ -32,6 +32,15 @@ __device__ __forceinline__ void tma_load_5d(u32 dst, const TensorMap& map, u32 b
         : "memory");
 }
 
+// The box at these coordinates into L2 only (no shared memory, no barrier): a later load of it
+// then reads L2.
+__device__ __forceinline__ void tma_prefetch_5d(const TensorMap& map, int c0, int c1, int c2, int c3,
+                                                int c4) {
+    asm volatile("cp.async.bulk.prefetch.tensor.5d.L2.global.tile [%0, {%1, %2, %3, %4, %5}];"
+                 :: "l"(reinterpret_cast<u64>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
+                 : "memory");
+}
+
 // The same box, landing at `dst` in every CTA of the cluster that `cta_mask` names (bit r: rank
 // r), and counted on `bar` at the same offset in each: one L2 read for several CTAs' tiles.
 __device__ __forceinline__ void tma_load_5d_multicast(u32 dst, const TensorMap& map, u32 bar, int c0,

@@ -18,6 +18,12 @@ inline void tma_load_5d(u32 dst, const TensorMap& map, u32 bar, int c0, int c1, 
     emu::tma_load(dst, &map, bar, {c0, c1, c2, c3, c4});
 }
 
+// L2 only: nothing to copy here, but the box must start inside the tensor's panels, heads and
+// batches (its rows may lie past the sequence, as a ragged last tile's second warpgroup's do).
+inline void tma_prefetch_5d(const TensorMap& map, int c0, int c1, int c2, int c3, int c4) {
+    emu::check_prefetch(&map, {c0, c1, c2, c3, c4});
+}
+
 inline void tma_load_5d_multicast(u32, const TensorMap&, u32, int, int, int, int, int, u16, u64) {
     emu::fail("clusters are not emulated", 0);
 }
