@@ -612,13 +612,13 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
             ++done;
         }
     }
-    // A cluster's CTAs leave together: the other one's consumers may still arrive on this CTA's
-    // empty barriers (exited threads count as arrived at a cluster barrier, so the producer's
-    // returned ones do not hold it up).
     if constexpr (kCarry) {
         wgmma_wait<0>();  // the dummy S after the CTA's last tile
         turns.drain();
     }
+    // A cluster's CTAs leave together: the other one's consumers may still arrive on this CTA's
+    // empty barriers (exited threads count as arrived at a cluster barrier, so the producer's
+    // returned ones do not hold it up).
     if constexpr (C::kCluster > 1) cluster_sync();
     // The last tile's O store must have read shared memory before the CTA gives it up.
     if constexpr (C::kTmaStore)

@@ -44,8 +44,9 @@ __device__ __forceinline__ void sm90_produce(u32 base, Sm90Barriers<C> bar, cons
         if (tile > 0) {
             if constexpr (C::kQSplit) {
                 for (int g = 0; g < C::kConsumers; ++g)
-                    for (int p = 0; p < C::kPanels; ++p)
-                        tma_prefetch_5d(map_q, 0, row0 + g * 64, p, head, batch);
+                    if (g * 64 < w.q_rows)  // (rows wholly past seqlen_q are not loaded either)
+                        for (int p = 0; p < C::kPanels; ++p)
+                            tma_prefetch_5d(map_q, 0, row0 + g * 64, p, head, batch);
             } else {
                 tma_prefetch_5d(map_q, 0, row0, 0, head, batch);
             }
