@@ -5,7 +5,7 @@
 #   bash tools/wip/next.sh grid    # ~4 min: the forward grid against cuDNN (after a winner ships)
 #   HD=256 bash tools/wip/next.sh retune  # <= 9 min: hd256 (then HD=192) causal 2k-16k tuned, grid_order searched
 #   bash tools/wip/next.sh stalls  # ~3 min: PC sampling of short against long tiles (PERF_NOTES §73)
-#   bash tools/wip/next.sh carry   # ~4 min: carry_qk's and the pooled counters' GPU tests, memcheck
+#   bash tools/wip/next.sh carry   # ~3 min: memcheck of carry_qk and q_prefetch on ragged shapes
 #   bash tools/wip/next.sh carryab # ~7 min: carry_qk's and q_prefetch's leads (PERF_NOTES §75, §77)
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
@@ -22,8 +22,8 @@ case $1 in
            bash tools/h200_run.sh 2>&1 | tail -40 ;;
   stalls) STEPS=ncusrc T_ncusrc=120 NCU_CASES="flash_attn_fwd_sm90@--head-dim 128 --seqlen 1024;flash_attn_fwd_sm90@--head-dim 128 --seqlen 8192;flash_attn_fwd_sm90@--head-dim 64 --seqlen 512 --causal" \
            bash tools/h200_run.sh 2>&1 | tee "$OUT/stalls.txt" | tail -120 ;;
-  carry) # carry_qk (built in session 26 on the CPU): numerics, memcheck, then the A/B leads
-         PYTHONPATH=. timeout 200 python3 -m pytest -q -m gpu tests/test_sm90_gpu.py -k "carry_qk or counters" 2>&1 | tail -3
+  carry) # compute-sanitizer memcheck of session 26's keys on ragged shapes (their numerics and
+         # the pooled counters' are in the suite: test_sm90_gpu)
          STEPS=memcheck T_memcheck=200 RAGGED_ARGS=--carry bash tools/h200_run.sh 2>&1 | tail -4 ;;
   carryab) # ~5 min: carry_qk against the shipped configs (config_ab, interleaved rounds)
          LEADS="carry carryc qpf" LEAD_T=150 bash tools/wip/leads.sh 2>&1 | tee "$OUT/carry.txt" | tail -50 ;;
