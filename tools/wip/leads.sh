@@ -44,5 +44,5 @@ for lead in ${LEADS:-sched rescale bn pers}; do case $lead in
   carryc)  run carryc --causal true --head-dims 64 128 --seqlens 512 1024 --rounds 5 \
                --alts '{"carry_qk": 1}' '{"half_diag": 0, "carry_qk": 1}' ;;
   # ... and the next tile's Q prefetched into L2 where the shipped config has one Q buffer.
-  qpf)     run qpf --causal both --head-dims 192 256 --seqlens 512 1024 2048 --key q_prefetch --values 0 1 --rounds 5 ;;
+  qpf)     run qpf --causal both --head-dims 256 --seqlens 512 1024 2048 --key q_prefetch --values 0 1 --rounds 5 ;;
 esac; done
