@@ -109,20 +109,15 @@ def counter_address(kernel, q, stream: int) -> tuple[int, object]:
 
 
 def tile_counter(kernel, q):
-    """The dynamic schedule's claim counter for one launch of `kernel` (persistent 2) on query
-    `q` (batch, seqlen_q, heads, head_dim): fresh zero int32s on q's device, made on the current
-    stream like the launch that follows, so that launches on other streams and replays of
-    captured graphs never share one (a kernel that reset a shared counter itself would race with
-    a concurrent one), counter_words long: the deferred tiles' list is only used by non-causal
-    kv-range and block-mask kernels, but it is one memset either way. None for the other configs."""
+    """A fresh claim counter for one launch of `kernel` (persistent 2) on query `q` (batch,
+    seqlen_q, heads, head_dim): zero int32s on q's device, made on the current stream like the
+    launch that follows, counter_words long (the deferred tiles' list is only used by non-causal
+    kv-range and block-mask kernels, but it is one memset either way). What a launch captured in
+    a CUDA graph takes (counter_address), so that replays never share one: a kernel that reset
+    a shared counter itself would race with a concurrent one. None for the other configs."""
     if kernel.config["persistent"] != 2:
         return None
     return torch.zeros(counter_words(kernel.config, q.shape), dtype=torch.int32, device=q.device)
-
-
-def pointer(tensor) -> int:
-    """A tensor argument's address; 0 (null) for None."""
-    return 0 if tensor is None else tensor.data_ptr()
 
 
 def flash_attn_forward_sm90(q, k, v, causal: bool = False, softmax_scale: float | None = None, *,
