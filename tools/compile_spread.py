@@ -5,7 +5,7 @@ persistent, stages and the --group-by keys, the smallest and largest block_n of 
 and sum_mma left at 0). Prints registers and spills per config and a count at the end: how a new
 key fares at the register budget's edge before any GPU time is spent on it (PERF_NOTES §75, §77).
 
-    python tools/compile_spread.py --key carry_qk --group-by half_diag plain flash_attn_softcap
+    python tools/compile_spread.py --key carry_qk --group-by half_diag --specs plain flash_attn_softcap
 """
 from __future__ import annotations
 
@@ -36,10 +36,11 @@ def spread(spec, variant, key: str, value: int, group_by: list[str]) -> list:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("specs", nargs="*", default=["plain"])
+    p.add_argument("--specs", nargs="+", default=["plain"],
+                   help="plain (flash_attn_fwd_sm90) and/or shipped mods specs")
     p.add_argument("--key", required=True)
     p.add_argument("--value", type=int, default=1)
-    p.add_argument("--group-by", nargs="*", default=[])
+    p.add_argument("--group-by", nargs="+", default=[], help="more tune keys that split the groups")
     opts = p.parse_args(argv)
     compiled = spilled = failed = 0
     for name in opts.specs:

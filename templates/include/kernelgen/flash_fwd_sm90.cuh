@@ -306,6 +306,11 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             mbarrier_wait(bar.full_v(stage(i - 1)), parity(i - 1));
             pv(i - 1);
             turns.release(false);
+            // carry_qk on the dynamic schedule takes the next tile while the last block's GEMMs
+            // run, so that the hand-off stays off the tail's issue. (The static schedule's
+            // is_final there, a loop over the CTA's later tiles, made ptxas serialize, C7519.)
+            if constexpr (kCarry && C::kDynamic)
+                if (i == n_blocks - 1) final_turn = is_final();
             const int c0 = early_col0(i);
             const ModBits<C> bits = mask_bits(i, c0);
             wgmma_wait<1>();  // S done, P V still running: p and acc_o stay untouched
@@ -326,7 +331,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         // waits for that group only), so the next tile is known before it; its Q buffer and
         // first ring slot are the ones after this tile's, real or (no next tile) a dummy's.
         if constexpr (kCarry) {
-            final_turn = is_final();
+            if (!C::kDynamic || n_blocks == 1) final_turn = is_final();  // (else asked above)
             if (!final_turn) wait_carried_operands<C>(bar, tile + 1, it + n_blocks);
         }
         turns.acquire();
@@ -562,8 +567,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FwdArgs<typename C::Elem>& 
         const auto take_work = [&] {
             int t = queue.take(j++);
             if constexpr (kCarry)
-                for (; t < tiles_of_cta.count && tiles_of_cta.at(a, t).n_blocks == 0;
-                     t = queue.take(j++))
+                for (; t < tiles_of_cta.count && !tiles_of_cta.has_work(a, t); t = queue.take(j++))
                     write_empty_tile<C>(a, tiles_of_cta.at(a, t), threadIdx.x - 128,
                                         C::kThreads - 128);
             return t;

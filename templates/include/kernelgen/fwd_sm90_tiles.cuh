@@ -177,8 +177,17 @@ struct TileSchedule {
     // whether any has).
     __device__ __forceinline__ bool more_work(const FwdArgs<typename C::Elem>& a, int t) const {
         for (int u = t + step(); valid(u); u += step())
-            if (at(a, u).n_blocks > 0) return true;
+            if (C::kCarryQk ? has_work(a, u) : at(a, u).n_blocks > 0) return true;
         return false;
+    }
+    // Whether tile t has a KV block. Without a causal mask, a kv range or a block mask every
+    // tile sees every key, so no tile's bounds need working out: carry_qk asks this before the
+    // tail's issue (more_work, the dynamic loop's search for the next tile with work).
+    __device__ __forceinline__ bool has_work(const FwdArgs<typename C::Elem>& a, int t) const {
+        if constexpr (!C::kCausal && !Mods::kKvRange && !Mods::kBlockSparse)
+            return a.seqlen_k > 0;
+        else
+            return at(a, t).n_blocks > 0;
     }
 };
 
