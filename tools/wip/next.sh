@@ -5,7 +5,7 @@
 #   bash tools/wip/next.sh grid    # ~4 min: the forward grid against cuDNN (after a winner ships)
 #   HD=256 bash tools/wip/next.sh retune  # <= 9 min: hd256 (then HD=192) causal 2k-16k tuned, grid_order searched
 #   bash tools/wip/next.sh stalls  # ~3 min: PC sampling of short against long tiles (PERF_NOTES §73)
-#   bash tools/wip/next.sh carry   # ~3 min: memcheck of carry_qk and q_prefetch on ragged shapes
+#   bash tools/wip/next.sh carry   # <= 7 min: memcheck of carry_qk and q_prefetch on ragged shapes
 #   bash tools/wip/next.sh carryab # ~7 min: carry_qk's and q_prefetch's leads (PERF_NOTES §75, §77)
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
@@ -24,7 +24,7 @@ case $1 in
            bash tools/h200_run.sh 2>&1 | tee "$OUT/stalls.txt" | tail -120 ;;
   carry) # compute-sanitizer memcheck of session 26's keys on ragged shapes (their numerics and
          # the pooled counters' are in the suite: test_sm90_gpu)
-         STEPS=memcheck T_memcheck=200 RAGGED_ARGS=--carry bash tools/h200_run.sh 2>&1 | tail -4 ;;
+         STEPS=memcheck T_memcheck=420 RAGGED_ARGS=--carry bash tools/h200_run.sh 2>&1 | tail -4 ;;
   carryab) # ~5 min: carry_qk against the shipped configs (config_ab, interleaved rounds)
          LEADS="carry carryc qpf" LEAD_T=150 bash tools/wip/leads.sh 2>&1 | tee "$OUT/carry.txt" | tail -50 ;;
   *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab"; exit 2 ;;
