@@ -43,6 +43,9 @@ for lead in ${LEADS:-sched rescale bn pers}; do case $lead in
   carry)   run carry --causal false --head-dims 64 128 192 --seqlens 512 1024 2048 --key carry_qk --values 0 1 --rounds 5 ;;
   carryc)  run carryc --causal true --head-dims 64 128 --seqlens 512 1024 --rounds 5 \
                --alts '{"carry_qk": 1}' '{"half_diag": 0, "carry_qk": 1}' ;;
+  # If carry_qk wins at hd64 full 512/1k: with the other schedule or the dynamic tile order.
+  carryalt) run carryalt --causal false --head-dims 64 --seqlens 512 1024 --rounds 5 \
+               --alts '{"carry_qk": 1}' '{"carry_qk": 1, "schedule": 2}' '{"carry_qk": 1, "persistent": 2}' ;;
   # ... and the next tile's Q prefetched into L2 where the shipped config has one Q buffer.
   qpf)     run qpf --causal both --head-dims 256 --seqlens 512 1024 2048 --key q_prefetch --values 0 1 --rounds 5 ;;
 esac; done
