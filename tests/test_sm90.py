@@ -423,7 +423,8 @@ def test_counters_are_words_of_a_zeroed_buffer_handed_out_once(monkeypatch):
     assert alive is None and other not in taken and len(hopper._POOLS) == 2
     big = torch.empty(4, 4096, 8, 64, dtype=torch.bfloat16)  # 4 + 1024 words: a buffer of 4 x that
     address, _ = hopper.counter_address(dynamic, big, 7)
-    assert hopper._POOLS[(None, 7)][0].numel() == 4 * 1028 and hopper._POOLS[(None, 7)][0].data_ptr() == address
+    buffer = hopper._POOLS[(None, 7)][0]
+    assert buffer.numel() == 4 * 1028 and buffer.data_ptr() == address
 
 
 def test_a_cluster_loads_its_share_of_the_kv_panels():

@@ -118,10 +118,8 @@ CONFIGS = [
            "carry_qk": 1}),
     (96, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 2,
           "carry_qk": 1}),
-]
-# q_prefetch (the next tile's Q into L2 before the wait for the one Q buffer): static with
-# q_split (a box per warpgroup and panel), dynamic without.
-CONFIGS += [
+    # q_prefetch (the next tile's Q into L2 before the wait for the one Q buffer): static with
+    # q_split (a box per warpgroup and panel), dynamic without.
     (256, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 2, "persistent": 1, "rescale": 1,
            "q_split": 1, "q_prefetch": 1}),
     (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2,
@@ -264,7 +262,7 @@ def test_dynamic_counters_across_streams_and_graphs(monkeypatch):
     their stream's pooled buffer (more launches than one buffer holds, on two streams at once),
     a captured graph a fresh counter per launch, replayed on a third stream while eager
     launches run; every output equal bit for bit to the first (a tile is one CTA's whatever the
-    claims), every pooled word handed out once."""
+    claims), each stream's words from a buffer of its own."""
     from kernelgen import hopper
 
     monkeypatch.setattr(hopper, "_POOLS", {})
@@ -299,6 +297,7 @@ def test_dynamic_counters_across_streams_and_graphs(monkeypatch):
     assert all(torch.equal(o, want) for r in replays for o in r)
     pools = [hopper._POOLS[(q.device.index, s.cuda_stream)] for s in streams[:2]]
     assert all(0 < pool[1] <= pool[0].numel() for pool in pools)
+    assert pools[0][0].data_ptr() != pools[1][0].data_ptr()
 
 
 def test_agrees_with_the_sm80_family():

@@ -135,23 +135,26 @@ def check_all_causal_keys():
             check_causal_keys(head_dim, *problem)
 
 
-def check_carry():
-    """Both carry_qk configs on the ragged shapes, both masks; hd192 non-causal with 64-key
-    blocks only (two Q buffers leave no room for square tiles there; hd256: for none)."""
-    for head_dim, causal in [(d, c) for d in (64, 96, 128) for c in (False, True)] + [(192, False)]:
-        for q, k, v, ref, pt, seqlen_q, seqlen_k in ragged_problems(head_dim, causal):
-            for config in CARRY + ((CARRY_HALF,) if causal else ()):
-                config = {**config, "block_n": 64} if head_dim == 192 else config
-                out, _ = flash_attn_forward_sm90(q, k, v, causal, config=config)
-                report(within_rule(out, ref, pt), "fwd carry", head_dim, causal, config,
-                       seqlen_q, seqlen_k)
+def carry_cases():
+    """(head_dim, causal, configs) of --carry: the carry_qk configs at head dims 64-128 (with
+    half_diag when causal), hd192 non-causal with 64-key blocks (two Q buffers leave no room for
+    square tiles there; hd256: for none), and the q_prefetch configs at hd96 and hd256."""
+    for head_dim in (64, 96, 128):
+        for causal in (False, True):
+            yield head_dim, causal, CARRY + ((CARRY_HALF,) if causal else ())
+    yield 192, False, tuple({**c, "block_n": 64} for c in CARRY)
     for head_dim in (96, 256):
         for causal in (False, True):
-            for q, k, v, ref, pt, seqlen_q, seqlen_k in ragged_problems(head_dim, causal):
-                for config in PREFETCH:
-                    out, _ = flash_attn_forward_sm90(q, k, v, causal, config=config)
-                    report(within_rule(out, ref, pt), "fwd q_prefetch", head_dim, causal, config,
-                           seqlen_q, seqlen_k)
+            yield head_dim, causal, PREFETCH
+
+
+def check_carry():
+    for head_dim, causal, configs in carry_cases():
+        for q, k, v, ref, pt, seqlen_q, seqlen_k in ragged_problems(head_dim, causal):
+            for config in configs:
+                out, _ = flash_attn_forward_sm90(q, k, v, causal, config=config)
+                report(within_rule(out, ref, pt), "fwd", head_dim, causal, config, seqlen_q,
+                       seqlen_k)
 
 
 if opts.causal_keys:
