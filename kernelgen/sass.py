@@ -69,6 +69,26 @@ def count(sass_text: str, mnemonic: str) -> int:
     return mnemonics(sass_text)[mnemonic]
 
 
+# "WARPGROUP.DEPBAR.LE gsb0, 0x1": wait until at most one wgmma group of the warp runs.
+_WGMMA_WAIT_RE = re.compile(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)")
+
+
+def exps_beside_wgmma(sass_text: str) -> int:
+    """The most MUFU.EX2 that follow, in the listing's order, a wait that leaves one wgmma group
+    running and come before the next wait: in the Hopper forward's overlapped schedules, the
+    softmax's exp2s that run while the previous block's P V does (PERF_NOTES §79)."""
+    most, counting = 0, None
+    for line in sass_text.splitlines():
+        wait = _WGMMA_WAIT_RE.search(line)
+        if wait:
+            if counting is not None:
+                most = max(most, counting)
+            counting = 0 if int(wait.group(1), 16) == 1 else None
+        elif counting is not None and "MUFU.EX2" in line:
+            counting += 1
+    return max(most, counting or 0)
+
+
 def has_local_memory(sass_text: str) -> bool:
     """Local loads/stores: spills or a stack-resident array, either way off-chip traffic."""
     found = mnemonics(sass_text)

@@ -237,6 +237,14 @@ OTHER_CONFIGS = [  # (head_dim, causal, config)
                   "cluster": 2}),
     (256, False, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 1, "persistent": 0,
                   "rescale": 1, "cluster": 2}),
+    # pv_wait: the softmax beside the previous block's P V (test_pv_wait_...): the hd128 8k
+    # entry's config, 3 consumers dynamic with the row sums by wgmma, hd256 with the early rescale.
+    (128, False, {"block_m": 128, "block_n": 176, "stages": 2, "schedule": 2, "persistent": 0,
+                  "cluster": 2, "pv_wait": 1}),
+    (64, True, {"block_m": 192, "block_n": 112, "stages": 2, "schedule": 2, "persistent": 2,
+                "sum_mma": 1, "pv_wait": 1}),
+    (256, False, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 1, "persistent": 1,
+                  "rescale": 1, "pv_wait": 1}),
 ]
 BUILDS = [(v, SPEC.default_config(v)) for v in BF16_VARIANTS] + [
     (SPEC.variant(head_dim=d, dtype="bf16", causal=c), SPEC.parse_config(cfg))
@@ -296,6 +304,18 @@ def test_sass_of_a_warp_specialized_wgmma_kernel(built, variant, config):
     assert "(C75" not in binary.log, binary.log
     # The reported count is the launch-bound share (65536 / threads), not the setmaxnreg budgets.
     assert binary.registers <= 65536 // (128 * (config["block_m"] // 64 + 1))
+
+
+PV_WAIT = [(v, c) for v, c in BUILDS if c["pv_wait"]]
+
+
+@pytest.mark.parametrize("variant, config", PV_WAIT, ids=[f"{v.slug}-{c.slug}" for v, c in PV_WAIT])
+def test_pv_wait_keeps_the_softmax_beside_the_previous_p_v(built, variant, config):
+    """With pv_wait 1 the wait for the previous block's P V comes after the block's exp2s (each
+    thread's block_n / 2 scores), not before them, where ptxas (NVRTC 13.0 and 13.5) places it
+    otherwise: the softmax overlaps that GEMM, as the overlapped schedules mean it to."""
+    _, code = built[render.render(SPEC, variant, config).name]
+    assert sass.exps_beside_wgmma(code) >= config["block_n"] // 2
 
 
 # ---- every shipped tuned config: what flash_attn_func and the mods run on an H200 ----------------

@@ -209,6 +209,22 @@ CASES = [
     (128, torch.float16, False, (2, 290, 200, 2, 2),
      {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 2, "q_prefetch": 1},
      True),
+    # pv_wait: each block's V waited for at the end of its softmax (block 0's in the first
+    # block's step, none after the loop): both overlapped schedules, a CTA per tile with the
+    # early rescale, dynamic with causal skips and two Q buffers, 3 stages and 3 consumers, and
+    # with carry_qk and half_diag (the first S carried from the previous tile).
+    (64, torch.float16, False, (1, 600, 130, 2, 2),
+     {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 1, "persistent": 0, "rescale": 1,
+      "pv_wait": 1}, False),
+    (128, torch.bfloat16, True, (2, 300, 430, 2, 1),
+     {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 2,
+      "pv_wait": 1}, True),
+    (96, torch.bfloat16, True, (1, 250, 400, 3, 1),
+     {"block_m": 192, "block_n": 96, "stages": 3, "schedule": 2, "persistent": 1, "pv_wait": 1},
+     False),
+    (128, torch.bfloat16, True, (2, 300, 430, 2, 2),
+     {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 2,
+      "carry_qk": 1, "half_diag": 1, "pv_wait": 1}, True),
 ]
 
 

@@ -124,6 +124,20 @@ CONFIGS = [
            "q_split": 1, "q_prefetch": 1}),
     (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2,
            "q_prefetch": 1}),
+    # pv_wait (each block's V waited for at the end of its softmax, so that the softmax runs
+    # beside the previous P V): the hd128 long-sequence tiles (with a cluster: CLUSTER_CONFIGS),
+    # dynamic pingpong with two Q buffers, 3 consumers with the row sums by wgmma, hd256 with
+    # the early rescale, and with carry_qk.
+    (128, {"block_m": 128, "block_n": 176, "stages": 2, "schedule": 2, "persistent": 0,
+           "pv_wait": 1}),
+    (128, {"block_m": 128, "block_n": 160, "stages": 2, "schedule": 2, "persistent": 2,
+           "q_buffers": 2, "pv_wait": 1}),
+    (64, {"block_m": 192, "block_n": 112, "stages": 3, "schedule": 2, "persistent": 2, "q_buffers": 2,
+          "sum_mma": 1, "pv_wait": 1}),
+    (256, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 1, "persistent": 0, "rescale": 1,
+           "pv_wait": 1}),
+    (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2, "q_buffers": 2,
+           "carry_qk": 1, "pv_wait": 1}),
 ]
 # carry_qk with half_diag (causal only): the carried S is the whole diagonal block's.
 CAUSAL_CONFIGS = [
@@ -172,6 +186,8 @@ CLUSTER_CONFIGS = [
            "cluster": 2}),
     (256, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 2, "persistent": 0, "q_split": 1,
            "cluster": 2}),
+    (128, {"block_m": 128, "block_n": 176, "stages": 2, "schedule": 2, "persistent": 0, "cluster": 2,
+           "pv_wait": 1}),
 ]
 
 

@@ -4,6 +4,8 @@ dim and causal mode, the valid configs with KEY = VALUE, grouped by block_m, sch
 persistent, stages and the --group-by keys, the smallest and largest block_n of each group (rescale
 and sum_mma left at 0). Prints registers and spills per config and a count at the end: how a new
 key fares at the register budget's edge before any GPU time is spent on it (PERF_NOTES §75, §77).
+With --exps, also how many of a block's exp2s ptxas left beside the previous block's P V (sass.
+exps_beside_wgmma; the overlapped schedules, PERF_NOTES §79), flagged where fewer than the block's.
 
     python tools/compile_spread.py --key carry_qk --group-by half_diag --specs plain flash_attn_softcap
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 import argparse
 import itertools
 
-from kernelgen import cache, mods_sm90
+from kernelgen import cache, mods_sm90, sass
 from kernelgen.compile import CompileError
 from kernelgen.render import render
 from kernelgen.spec import load_spec
@@ -41,8 +43,9 @@ def main(argv=None) -> int:
     p.add_argument("--key", required=True)
     p.add_argument("--value", type=int, default=1)
     p.add_argument("--group-by", nargs="+", default=[], help="more tune keys that split the groups")
+    p.add_argument("--exps", action="store_true", help="count the exp2s beside the P V (SASS)")
     opts = p.parse_args(argv)
-    compiled = spilled = failed = 0
+    compiled = spilled = failed = apart = 0
     for name in opts.specs:
         spec = load_spec("flash_attn_fwd_sm90") if name == "plain" else mods_sm90.sm90_spec(name)
         head_dims = next(p.values for p in spec.params if p.name == "head_dim")
@@ -57,9 +60,16 @@ def main(argv=None) -> int:
                     print(name, head_dim, int(causal), config.slug, "FAILED", str(error).splitlines()[0])
                     continue
                 spilled += bool(binary.spill_stores)
+                exps = ""
+                if opts.exps and config["schedule"] > 0:
+                    beside = sass.exps_beside_wgmma(sass.sass(binary.cubin))
+                    apart += beside < config["block_n"] // 2
+                    exps = f"exps beside P V {beside}" + (
+                        " APART" if beside < config["block_n"] // 2 else "")
                 print(name, head_dim, int(causal), config.slug, "registers", binary.registers,
-                      "SPILL" if binary.spill_stores else "", flush=True)
-    print(f"compiled {compiled}: {spilled} spill, {failed} failed")
+                      "SPILL" if binary.spill_stores else "", exps, flush=True)
+    print(f"compiled {compiled}: {spilled} spill, {failed} failed"
+          + (f", {apart} with fewer exp2s beside the P V than a block's" if opts.exps else ""))
     return 1 if failed else 0
 
 

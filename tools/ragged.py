@@ -40,6 +40,9 @@ CARRY_HALF = {**CARRY[1], "half_diag": 1}   # causal: the carried S is the whole
 # The next tile's Q into L2 before the wait for the one Q buffer (q_prefetch): split and whole.
 PREFETCH = ({**DYNAMIC_WIDE, "persistent": 1, "q_split": 1, "q_prefetch": 1},
             {**DYNAMIC_WIDE, "q_prefetch": 1})
+# Each block's V waited for at the end of its softmax (pv_wait): dynamic pingpong with causal
+# skips, and a CTA per tile with the early rescale.
+PV_WAIT = ({**DYNAMIC, "pv_wait": 1}, {**DYNAMIC_WIDE, "persistent": 0, "rescale": 1, "pv_wait": 1})
 
 
 def within_rule(out, ref, pt):
@@ -62,7 +65,7 @@ parser.add_argument("--clusters", action="store_true",
 parser.add_argument("--causal-keys", action="store_true",
                     help="only the Hopper forward's grid_order and half_diag configs (causal)")
 parser.add_argument("--carry", action="store_true",
-                    help="only the Hopper forward's carry_qk and q_prefetch configs")
+                    help="only the Hopper forward's carry_qk, q_prefetch and pv_wait configs")
 opts = parser.parse_args()
 MASK_MODS = opts.mask_mods
 
@@ -138,7 +141,8 @@ def check_all_causal_keys():
 def carry_cases():
     """(head_dim, causal, configs) of --carry: the carry_qk configs at head dims 64-128 (with
     half_diag when causal), hd192 non-causal with 64-key blocks (two Q buffers leave no room for
-    square tiles there; hd256: for none), and the q_prefetch configs at hd96 and hd256."""
+    square tiles there; hd256: for none), the q_prefetch configs at hd96 and hd256 and the
+    pv_wait configs at hd128 and hd256 (the first with 64-key blocks: warpgroup 0 skips)."""
     for head_dim in (64, 96, 128):
         for causal in (False, True):
             yield head_dim, causal, CARRY + ((CARRY_HALF,) if causal else ())
@@ -146,6 +150,9 @@ def carry_cases():
     for head_dim in (96, 256):
         for causal in (False, True):
             yield head_dim, causal, PREFETCH
+    for causal in (False, True):
+        yield 128, causal, PV_WAIT
+        yield 256, causal, PV_WAIT[1:]
 
 
 def check_carry():

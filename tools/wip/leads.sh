@@ -48,4 +48,13 @@ for lead in ${LEADS:-sched rescale bn pers}; do case $lead in
                --alts '{"carry_qk": 1}' '{"carry_qk": 1, "schedule": 2}' '{"carry_qk": 1, "persistent": 2}' ;;
   # ... and the next tile's Q prefetched into L2 where the shipped config has one Q buffer.
   qpf)     run qpf --causal both --head-dims 256 --seqlens 512 1024 2048 --key q_prefetch --values 0 1 --rounds 5 ;;
+  # Session 27 (PERF_NOTES §79): the softmax beside the previous block's P V (pv_wait), alone
+  # and with FA3's rescale in the next QK^T's shadow (whose tail after the wait is then P's
+  # packing only); at hd64 also pingpong where the shipped config has the plain schedule or
+  # none (192 x 144 is then over the register budget, 192 x 112 not).
+  pv)      run pv --causal both --head-dims 128 256 --seqlens 1024 4096 16384 --rounds 5 \
+               --alts '{"pv_wait": 1}' '{"pv_wait": 1, "rescale": 1}' ;;
+  pv64)    run pv64 --causal both --head-dims 64 --seqlens 1024 4096 16384 --rounds 5 \
+               --alts '{"pv_wait": 1}' '{"pv_wait": 1, "rescale": 1}' \
+                      '{"pv_wait": 1, "schedule": 2}' '{"pv_wait": 1, "schedule": 2, "block_n": 112}' ;;
 esac; done

@@ -7,6 +7,7 @@
 #   bash tools/wip/next.sh stalls  # ~3 min: PC sampling of short against long tiles (PERF_NOTES §73)
 #   bash tools/wip/next.sh carry   # <= 7 min: memcheck of carry_qk and q_prefetch on ragged shapes
 #   bash tools/wip/next.sh carryab # ~7 min: carry_qk's and q_prefetch's leads (PERF_NOTES §75, §77)
+#   bash tools/wip/next.sh pvab    # ~8 min: pv_wait's leads (PERF_NOTES §79)
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
@@ -27,5 +28,7 @@ case $1 in
          STEPS=memcheck T_memcheck=420 RAGGED_ARGS=--carry bash tools/h200_run.sh 2>&1 | tail -4 ;;
   carryab) # ~5 min: carry_qk against the shipped configs (config_ab, interleaved rounds)
          LEADS="carry carryc qpf" LEAD_T=150 bash tools/wip/leads.sh 2>&1 | tee "$OUT/carry.txt" | tail -50 ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab"; exit 2 ;;
+  pvab) # the softmax beside the previous P V: hd128/256 (12 shapes), then hd64 (6, 5 configs each)
+         LEADS="pv pv64" LEAD_T=290 bash tools/wip/leads.sh 2>&1 | tee "$OUT/pv.txt" | tail -50 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab"; exit 2 ;;
 esac

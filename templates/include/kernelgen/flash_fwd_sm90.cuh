@@ -289,6 +289,8 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
                 acc_s, row_max, row_sum, scale_log2, alpha, fixed, shift);
             release_previous_q();
             pack_p<C>(p, acc_s);
+            // pv_wait: block 0's V now, as every later block's at the end of its softmax.
+            if constexpr (C::kPvWait) mbarrier_wait(bar.full_v(stage(0)), parity(0));
         };
         if (kHalfDiag && half0)
             first_block(Bool<true>{});
@@ -303,7 +305,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             wgmma_fence();
             issue_qk<C>(acc_s, desc_q, stage_desc(desc_k, i), kBiasInit);
             if constexpr (C::kRescaleEarly) rescale(alpha);  // block i - 1's alpha
-            mbarrier_wait(bar.full_v(stage(i - 1)), parity(i - 1));
+            if constexpr (!C::kPvWait) mbarrier_wait(bar.full_v(stage(i - 1)), parity(i - 1));
             pv(i - 1);
             turns.release(false);
             // carry_qk on the dynamic schedule takes the next tile while the last block's GEMMs
@@ -316,6 +318,11 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             wgmma_wait<1>();  // S done, P V still running: p and acc_o stay untouched
             finish_qk(i, c0, bits, Bool<false>{});
             softmax(alpha);
+            // pv_wait: the wait for this block's V (due before its P V, in the next turn) is a
+            // branch, which ptxas does not schedule the wait for the P V group across. Without
+            // it ptxas places that wait before the softmax, which then starts only when the
+            // previous block's P V is done (PERF_NOTES §79).
+            if constexpr (C::kPvWait) mbarrier_wait(bar.full_v(stage(i)), parity(i));
             wgmma_wait<0>();
             fence_operands(acc_o);
             release_kv_slot<C>(bar.empty_v(stage(i - 1)), lane);
@@ -323,7 +330,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             pack_p<C>(p, acc_s);
         }
         const int last = n_blocks - 1;
-        mbarrier_wait(bar.full_v(stage(last)), parity(last));
+        if constexpr (!C::kPvWait) mbarrier_wait(bar.full_v(stage(last)), parity(last));
         // Early: the last block's alpha has no QK^T left to hide behind. (A tile of one block
         // rescales O = 0 by its alpha of 0, here and in the loop's first step.)
         if constexpr (C::kRescaleEarly) rescale(alpha);
