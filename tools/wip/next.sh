@@ -8,6 +8,7 @@
 #   bash tools/wip/next.sh carry   # <= 7 min: memcheck of carry_qk and q_prefetch on ragged shapes
 #   bash tools/wip/next.sh carryab # ~7 min: carry_qk's and q_prefetch's leads (PERF_NOTES §75, §77)
 #   bash tools/wip/next.sh pvab    # ~8 min: pv_wait's leads (PERF_NOTES §79)
+#   bash tools/wip/next.sh pvmods  # ~4 min: pv_wait on the mods at hd128 4k
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
@@ -30,5 +31,6 @@ case $1 in
          LEADS="carry carryc qpf" LEAD_T=150 bash tools/wip/leads.sh 2>&1 | tee "$OUT/carry.txt" | tail -50 ;;
   pvab) # the softmax beside the previous P V: hd128/256 (12 shapes), then hd64 (6, 5 configs each)
          LEADS="pv pv64" LEAD_T=290 bash tools/wip/leads.sh 2>&1 | tee "$OUT/pv.txt" | tail -50 ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab"; exit 2 ;;
+  pvmods) LEADS=pvmods LEAD_T=60 bash tools/wip/leads.sh 2>&1 | tee "$OUT/pvmods.txt" | tail -40 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods"; exit 2 ;;
 esac
