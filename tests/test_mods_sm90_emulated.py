@@ -115,11 +115,9 @@ def test_sliding_window(window, causal, shape, cfg, empty_rows):
     (False, True, config(persistent=1), 64),
     (True, False, config(192, 96, persistent=0), 64),
     (True, True, config(128, 128, schedule=1, persistent=1, stages=3), 128),
-    # half_diag: the column terms put into S before a half QK^T, its upper half then -inf (on
-    # the GPU ptxas serializes this config's wgmma, C7511, so the tuner drops it; the logic is
-    # the same for the configs it keeps).
+    # half_diag and carry_qk: hd128 then adds the column terms after the QK^T, as hd64 does
+    # (with them before, half_diag's -inf fill of the upper half made ptxas serialize, C7511).
     (False, True, config(128, 128, schedule=2, persistent=2, half_diag=1), 128),
-    # carry_qk: hd128 then adds the column terms after the QK^T, as hd64 does.
     (False, True, config(128, 128, schedule=2, persistent=2, **CARRY), 128),
     (True, False, config(128, 128, schedule=1, persistent=1, **CARRY), 64),
 ], ids=["per-head-causal-persistent", "per-batch-3wg", "per-batch-causal-overlap-persistent-hd128",

@@ -136,6 +136,22 @@ def test_alibi_far_from_the_diagonal(head_dim, dtype, config):
                   s - slopes.view(1, heads, 1, 1) * (i + sk - sq - j).abs().float())
 
 
+# half_diag at hd128 (causal): the column terms then go in after the QK^T, as with carry_qk (put
+# into S before it, the half block's -inf fill made ptxas serialize: no such config compiled).
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_alibi_with_half_diagonal_blocks(dtype):
+    torch.manual_seed(3)
+    heads = 4
+    slopes = torch.tensor([1.0, 2 ** -2, 2 ** -5, 2 ** -8], device="cuda")
+    for sq, sk in [(1024, 1024), (333, 1517), (1000, 300)]:
+        q = rand(1, sq, heads, 128, dtype=dtype)
+        k, v = rand(1, sk, heads, 128, dtype=dtype), rand(1, sk, heads, 128, dtype=dtype)
+        got = run("flash_attn_alibi", q, k, v, True, (slopes.data_ptr(), 0),
+                  {**DYNAMIC, "half_diag": 1})
+        check(got, q, k, v, True, score_mod=lambda s, bb, hh, i, j:
+              s - slopes.view(1, heads, 1, 1) * (i + sk - sq - j).abs().float())
+
+
 @pytest.mark.parametrize("config", [None, PERSISTENT, DYNAMIC], ids=["default", "persistent", "dynamic"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_document_mask(causal, config):

@@ -75,9 +75,11 @@ __device__ __forceinline__ void modify_scores(float (&acc_s)[C::kBlockN / 2],
 // is +3-4% at hd128 (full and causal, 4k and 16k); at hd64 it lost 2.5-3% (four k-steps hide
 // little behind the moves before the issue; raw units with the adds after lost 5-7%), and at
 // hd256 full 5-7% (causal +1-2%, within the spread). Other head dims keep the adds after, and
-// so does carry_qk, whose first QK^T of a tile is issued before S could be set for it.
+// so do carry_qk, whose first QK^T of a tile is issued before S could be set for it, and
+// half_diag, whose diagonal block's upper half set to -inf before a QK^T that accumulates onto S
+// made ptxas serialize the wgmmas (C7511: every hd128 causal ALiBi config with it failed).
 template <class C>
-constexpr bool kBiasBeforeQk = C::kHeadDim == 128 && !C::kCarryQk;
+constexpr bool kBiasBeforeQk = C::kHeadDim == 128 && !C::kCarryQk && !C::kHalfDiag;
 
 struct DistanceBias {
     float before, after;  // the slopes / scale
