@@ -676,3 +676,27 @@ def test_build_compiles_for_real(cache_dir, spec, variant):
     assert built == Built(binary.registers, binary.spill_stores, binary.stack_bytes,
                           int(spec.smem(spec.environment(variant, config))) + binary.static_smem)
     assert 0 < built.registers <= 255
+
+
+def test_an_ab_winner_is_an_entry_of_the_shipped_table(monkeypatch):
+    """tools/config_ab.py --export writes a shape's winner in the shipped table's format, keyed as
+    the entry it replaces (tools/merge_defaults.py), with the whole config, which the shipped
+    table's reader takes back."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "tools"))
+    import config_ab
+
+    monkeypatch.setattr(tune, "gpu_identity", lambda device: FAKE_GPU)
+    monkeypatch.setattr(config_ab.torch.cuda, "current_device", lambda: 0)
+    case = config_ab.Case(None, 128, False, 4, 4096, 16)
+    variant = case.spec.variant(arch="sm_90a", **case.params)
+    config = {**case.shipped(4, 4096, 16), "rescale": 1}
+    entry = config_ab.entry(case, variant, Problem(4, 16, 16, 4096, 4096), config, 0.85)
+    assert (entry["spec"], entry["variant"], entry["bucket"], entry["gpu"]) == \
+        ("flash_attn_fwd_sm90", "head_dim128_dtypebf16_causal0", "q4096_k4096_bh64", "Fake GPU")
+    assert entry["spec_hash"] == case.spec.content_hash and entry["time_ms"] == 0.85
+    assert set(entry["config"]) == {name for name, _ in case.spec.space}
+    table = tune._read_shipped({"format": tune.DEFAULTS_FORMAT, "entries": [entry]})
+    (where, [(bucket, read)]), = table.items()
+    assert bucket.slug == "q4096_k4096_bh64" and read == case.spec.parse_config(config)

@@ -11,6 +11,9 @@ process, every output checked against the float32 reference (FlashAttention's ru
 
 Prints TFLOP/s per value (median of the rounds' medians) and each value's ratio to the first.
 Each config is timed as a captured CUDA graph (`captured`): kernel time, not the host's.
+With --export FILE, each shape whose fastest config beats the shipped one by --min-gain (and
+passed its check where one ran) becomes an entry in the shipped table's format, for
+tools/merge_defaults.py: the measured time and this GPU's identity, the winning config whole.
 """
 from __future__ import annotations
 
@@ -115,11 +118,14 @@ def main() -> None:
                    help="instead of --key: the shipped config, then it with each of these "
                         "JSON objects' keys changed (several keys at once)")
     p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--export", metavar="FILE", help="the winners, for tools/merge_defaults.py")
+    p.add_argument("--min-gain", type=float, default=0.015,
+                   help="a winner's least gain over the shipped config (default 1.5%%)")
     p.add_argument("--mod", help="softcap, alibi, window, document or packed: that shipped mods "
                    "spec with the bench's modifier values")
     opts = p.parse_args()
     causals = {"both": [False, True], "true": [True], "false": [False]}[opts.causal]
-    rows = []
+    rows, winners = [], []
     for head_dim in opts.head_dims:
         for causal in causals:
             for seqlen in opts.seqlens:
@@ -156,6 +162,12 @@ def main() -> None:
                         times[i].append(time_ms(graph.replay))
                 tflops = [case.flops / statistics.median(t) / 1e9 for t in times]
                 rows.append((head_dim, causal, seqlen, base, tflops, checks))
+                winner = max(range(len(configs)), key=tflops.__getitem__)
+                if winner and tflops[winner] >= (1 + opts.min_gain) * tflops[0] \
+                        and checks[winner].startswith(("ok", "-")):
+                    winners.append(entry(case, variant, tune.Problem(batch, heads, heads, seqlen,
+                                                                     seqlen),
+                                         configs[winner], statistics.median(times[winner])))
                 cells = " ".join(f"{t:7.1f} {t / tflops[0]:.3f}x" for t in tflops)
                 print(f"hd{head_dim} {'causal' if causal else 'full'} {seqlen}: {cells}  "
                       f"{' | '.join(checks)}  base {base}", flush=True)
@@ -164,6 +176,20 @@ def main() -> None:
         print(f"hd{head_dim:<4} {'causal' if causal else 'full':6} {seqlen:>6} "
               + " ".join(f"{t:7.1f} {t / tflops[0]:5.3f}x" for t in tflops)
               + ("" if all(c.startswith(("ok", "-")) for c in checks) else "  WRONG"))
+    if opts.export:
+        with open(opts.export, "w") as f:
+            json.dump({"format": tune.DEFAULTS_FORMAT, "entries": winners}, f, indent=1)
+        print(f"{len(winners)} winners by >= {opts.min_gain:.1%} written to {opts.export}")
+
+
+def entry(case, variant, problem, config: dict, time_ms: float) -> dict:
+    """A shipped-table entry (tune.export_defaults's format) for config measured at time_ms."""
+    identity = tune.gpu_identity(torch.cuda.current_device())
+    return {"spec": case.spec.name, "spec_hash": case.spec.content_hash, "variant": variant.slug,
+            "arch": variant.arch, "bucket": problem.bucket().slug, "gpu": identity.gpu,
+            "capability": identity.capability, "sm_count": identity.sm_count, "time_ms": time_ms,
+            "driver": identity.driver, "nvrtc": identity.nvrtc, "kernelgen": identity.kernelgen,
+            "problem": problem.as_dict(), "config": dict(case.spec.parse_config(config).values)}
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 # Sessions 24 (sched rescale bn pers align alignbn base: PERF_NOTES §64, §65) and 25's (below).
 export PYTHONPATH=.:tools PYTHONUNBUFFERED=1 KERNELGEN_CACHE_DIR=/tmp/kc_main
 L=${LEAD_T:-100}
-run() { local tag=$1; shift; timeout $L python3 tools/config_ab.py "$@" > "$OUT/lead_$tag.log" 2>&1
+# Each lead also writes its winners (>= 1.5% over the shipped config, checks passed) to
+# $OUT/win_<lead>.json, for tools/merge_defaults.py.
+run() { local tag=$1; shift; timeout $L python3 tools/config_ab.py "$@" --export "$OUT/win_$tag.json" > "$OUT/lead_$tag.log" 2>&1
         echo "== $tag rc=$? wrong=$(grep -c WRONG "$OUT/lead_$tag.log")"
         tail -7 "$OUT/lead_$tag.log"; }
 for lead in ${LEADS:-sched rescale bn pers}; do case $lead in
