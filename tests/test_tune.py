@@ -682,8 +682,6 @@ def test_an_ab_winner_is_an_entry_of_the_shipped_table(monkeypatch):
     """tools/config_ab.py --export writes a shape's winner in the shipped table's format, keyed as
     the entry it replaces (tools/merge_defaults.py), with the whole config, which the shipped
     table's reader takes back."""
-    import sys
-
     monkeypatch.syspath_prepend(str(REPO_ROOT / "tools"))
     import config_ab
 
