@@ -59,6 +59,11 @@ for lead in ${LEADS:-sched rescale bn pers}; do case $lead in
   pv64)    run pv64 --causal both --head-dims 64 --seqlens 1024 4096 16384 --rounds 5 \
                --alts '{"pv_wait": 1}' '{"pv_wait": 1, "rescale": 1}' \
                       '{"pv_wait": 1, "schedule": 2}' '{"pv_wait": 1, "schedule": 2, "block_n": 112}' ;;
+  # ... the table's other entries (after pv and pv64, if pv_wait wins there) ...
+  pvrest)  run pvrest --causal both --head-dims 64 128 256 --seqlens 512 2048 8192 --rounds 5 \
+               --alts '{"pv_wait": 1}' '{"pv_wait": 1, "rescale": 1}'
+           run pv192 --causal both --head-dims 192 --seqlens 512 1024 2048 4096 8192 16384 --rounds 5 \
+               --alts '{"pv_wait": 1}' '{"pv_wait": 1, "rescale": 1}' ;;
   # ... and the mods at hd128 4k, whose softmax is longer (softcap: a MUFU.TANH per score).
   pvmods)  for m in softcap alibi window document packed; do
              run pv_$m --mod $m --causal both --head-dims 128 --seqlens 4096 --rounds 5 \

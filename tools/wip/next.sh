@@ -9,6 +9,7 @@
 #   bash tools/wip/next.sh carryab # ~7 min: carry_qk's and q_prefetch's leads (PERF_NOTES §75, §77)
 #   bash tools/wip/next.sh pvab    # ~8 min: pv_wait's leads (PERF_NOTES §79)
 #   bash tools/wip/next.sh pvmods  # ~4 min: pv_wait on the mods at hd128 4k
+#   bash tools/wip/next.sh pvrest  # ~9 min: pv_wait on the table's other entries (if pvab wins)
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
@@ -32,5 +33,6 @@ case $1 in
   pvab) # the softmax beside the previous P V: hd128/256 (12 shapes), then hd64 (6, 5 configs each)
          LEADS="pv pv64" LEAD_T=290 bash tools/wip/leads.sh 2>&1 | tee "$OUT/pv.txt" | tail -50 ;;
   pvmods) LEADS=pvmods LEAD_T=60 bash tools/wip/leads.sh 2>&1 | tee "$OUT/pvmods.txt" | tail -40 ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods"; exit 2 ;;
+  pvrest) LEADS=pvrest LEAD_T=280 bash tools/wip/leads.sh 2>&1 | tee "$OUT/pvrest.txt" | tail -60 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest"; exit 2 ;;
 esac
