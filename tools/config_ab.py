@@ -168,6 +168,8 @@ def main() -> None:
                     winners.append(entry(case, variant, tune.Problem(batch, heads, heads, seqlen,
                                                                      seqlen),
                                          configs[winner], statistics.median(times[winner])))
+                    if opts.export:   # after each shape: a call cut short keeps what it measured
+                        export(opts.export, winners)
                 cells = " ".join(f"{t:7.1f} {t / tflops[0]:.3f}x" for t in tflops)
                 print(f"hd{head_dim} {'causal' if causal else 'full'} {seqlen}: {cells}  "
                       f"{' | '.join(checks)}  base {base}", flush=True)
@@ -177,9 +179,13 @@ def main() -> None:
               + " ".join(f"{t:7.1f} {t / tflops[0]:5.3f}x" for t in tflops)
               + ("" if all(c.startswith(("ok", "-")) for c in checks) else "  WRONG"))
     if opts.export:
-        with open(opts.export, "w") as f:
-            json.dump({"format": tune.DEFAULTS_FORMAT, "entries": winners}, f, indent=1)
+        export(opts.export, winners)
         print(f"{len(winners)} winners by >= {opts.min_gain:.1%} written to {opts.export}")
+
+
+def export(path: str, winners: list[dict]) -> None:
+    with open(path, "w") as f:
+        json.dump({"format": tune.DEFAULTS_FORMAT, "entries": winners}, f, indent=1)
 
 
 def entry(case, variant, problem, config: dict, time_ms: float) -> dict:
