@@ -163,13 +163,12 @@ def main() -> None:
                 tflops = [case.flops / statistics.median(t) / 1e9 for t in times]
                 rows.append((head_dim, causal, seqlen, base, tflops, checks))
                 winner = max(range(len(configs)), key=tflops.__getitem__)
-                if winner and tflops[winner] >= (1 + opts.min_gain) * tflops[0] \
+                if opts.export and winner and tflops[winner] >= (1 + opts.min_gain) * tflops[0] \
                         and checks[winner].startswith(("ok", "-")):
-                    winners.append(entry(case, variant, tune.Problem(batch, heads, heads, seqlen,
-                                                                     seqlen),
-                                         configs[winner], statistics.median(times[winner])))
-                    if opts.export:   # after each shape: a call cut short keeps what it measured
-                        export(opts.export, winners)
+                    problem = tune.Problem(batch, heads, heads, seqlen, seqlen)
+                    winners.append(entry(case, variant, problem, configs[winner],
+                                         statistics.median(times[winner])))
+                    export(opts.export, winners)   # each time: a call cut short keeps them
                 cells = " ".join(f"{t:7.1f} {t / tflops[0]:.3f}x" for t in tflops)
                 print(f"hd{head_dim} {'causal' if causal else 'full'} {seqlen}: {cells}  "
                       f"{' | '.join(checks)}  base {base}", flush=True)
