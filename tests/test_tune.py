@@ -678,23 +678,54 @@ def test_build_compiles_for_real(cache_dir, spec, variant):
     assert 0 < built.registers <= 255
 
 
-def test_an_ab_winner_is_an_entry_of_the_shipped_table(monkeypatch):
-    """tools/config_ab.py --export writes a shape's winner in the shipped table's format, keyed as
-    the entry it replaces (tools/merge_defaults.py), with the whole config, which the shipped
-    table's reader takes back."""
+@pytest.fixture
+def config_ab(monkeypatch):
+    """tools/config_ab.py on the CPU: lookup() answers from the shipped table as on the H200."""
     monkeypatch.syspath_prepend(str(REPO_ROOT / "tools"))
     import config_ab
 
-    monkeypatch.setattr(tune, "gpu_identity", lambda device: FAKE_GPU)
+    h200 = dataclasses.replace(FAKE_GPU, gpu="NVIDIA H200")   # the shipped table's entries
+    monkeypatch.setattr(tune, "gpu_identity", lambda device: h200)
     monkeypatch.setattr(config_ab.torch.cuda, "current_device", lambda: 0)
+    tune.clear_memo()
+    yield config_ab
+    tune.clear_memo()
+
+
+def test_an_ab_winner_is_an_entry_of_the_shipped_table(config_ab):
+    """tools/config_ab.py --export writes a shape's winner in the shipped table's format, keyed as
+    the entry it replaces (tools/merge_defaults.py), with the whole config, which the shipped
+    table's reader takes back."""
     case = config_ab.Case(None, 128, False, 4, 4096, 16)
     variant = case.spec.variant(arch="sm_90a", **case.params)
     config = {**case.shipped(4, 4096, 16), "rescale": 1}
     entry = config_ab.entry(case, variant, Problem(4, 16, 16, 4096, 4096), config, 0.85)
     assert (entry["spec"], entry["variant"], entry["bucket"], entry["gpu"]) == \
-        ("flash_attn_fwd_sm90", "head_dim128_dtypebf16_causal0", "q4096_k4096_bh64", "Fake GPU")
+        ("flash_attn_fwd_sm90", "head_dim128_dtypebf16_causal0", "q4096_k4096_bh64", "NVIDIA H200")
     assert entry["spec_hash"] == case.spec.content_hash and entry["time_ms"] == 0.85
     assert set(entry["config"]) == {name for name, _ in case.spec.space}
     table = tune._read_shipped({"format": tune.DEFAULTS_FORMAT, "entries": [entry]})
     (where, [(bucket, read)]), = table.items()
     assert bucket.slug == "q4096_k4096_bh64" and read == case.spec.parse_config(config)
+
+
+def test_an_ab_run_plans_its_shapes_and_builds_each_kernel_once(config_ab, monkeypatch):
+    """config_ab's plan: the shipped config (here with --config's keys) first, an alternative the
+    spec forbids at a shape dropped there (pv_wait with the plain schedule); prebuild compiles
+    each distinct kernel once, however many shapes share it."""
+    import argparse
+
+    alts = [{"pv_wait": 1}, {"pv_wait": 1, "schedule": 2, "block_n": 112}]
+    plain = {"schedule": 0, "persistent": 0, "q_buffers": 1}
+    opts = argparse.Namespace(head_dims=[64], causal="false", seqlens=[1024, 16384], tokens=16384,
+                              mod=None, config=plain, key=None, values=[], alts=alts)
+    plans = config_ab.plan(opts)
+    assert [p[2] for p in plans] == [1024, 16384]
+    for *_, configs in plans:
+        assert configs[0] == {**configs[0], **plain} and configs[1:] == [{**configs[0], **alts[1]}]
+    built = []
+    monkeypatch.setattr(config_ab.cache, "compile_cached", lambda source, arch: built.append(source.name))
+    config_ab.prebuild(plans + plans)
+    kernels = {config_ab.render(case.spec, variant, case.spec.parse_config(c)).name
+               for *_, case, variant, configs in plans for c in configs}
+    assert sorted(built) == sorted(kernels) and len(kernels) >= 3

@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kernelgen import bench_mods, blockmask, hopper, mods_sm90, tune
+from kernelgen import bench_mods, blockmask, cache, hopper, mods_sm90, tune
+from kernelgen.compile import CompileError
+from kernelgen.render import render
 from kernelgen.bench import time_ms
 from kernelgen.reference import attention_ref, max_error, rounding_allowance
 from kernelgen.spec import load_spec
@@ -104,6 +108,59 @@ def captured(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def plan(opts) -> list[tuple]:
+    """(head_dim, causal, seqlen, batch, heads, case, variant, configs) of each shape to time:
+    the shipped config first, then its variations; alternatives the spec forbids are dropped
+    (--alts), and a shape where --key's values are forbidden is skipped."""
+    causals = {"both": [False, True], "true": [True], "false": [False]}[opts.causal]
+    plans = []
+    for head_dim in opts.head_dims:
+        for causal in causals:
+            for seqlen in opts.seqlens:
+                batch, heads = max(1, opts.tokens // seqlen), 2048 // head_dim
+                case = Case(opts.mod, head_dim, causal, batch, seqlen, heads)
+                base = {**case.shipped(batch, seqlen, heads), **opts.config}
+                configs = [{**base, opts.key: value} for value in opts.values] if opts.key else \
+                    [base] + [{**base, **alt} for alt in opts.alts]
+                variant = case.spec.variant(arch="sm_90a", **case.params)
+                where = f"hd{head_dim} {'causal' if causal else 'full'} {seqlen}"
+                if opts.alts:   # an alternative the spec forbids here is dropped, not the shape
+                    kept = [configs[0]]
+                    for alt, c in zip(opts.alts, configs[1:]):
+                        problems = case.spec.violations(variant, case.spec.parse_config(c))
+                        if problems:
+                            print(f"{where}: alternative {alt} dropped: {problems[0]}", flush=True)
+                        else:
+                            kept.append(c)
+                    configs = kept
+                invalid = [problem for c in configs
+                           for problem in case.spec.violations(variant, case.spec.parse_config(c))]
+                if invalid:
+                    print(f"{where}: skipped, {base} with {opts.key} {opts.values}: {invalid[0]}",
+                          flush=True)
+                    continue
+                plans.append((head_dim, causal, seqlen, batch, heads, case, variant, configs))
+    return plans
+
+
+def prebuild(plans) -> None:
+    """Every config's kernel compiled up front, in threads (NVRTC releases the GIL): the timing
+    loop then finds them in the cache instead of compiling one at a time."""
+    builds = {render(case.spec, variant, case.spec.parse_config(c)).name:
+              (case.spec, variant, case.spec.parse_config(c))
+              for *_, case, variant, configs in plans for c in configs}
+
+    def build(item):
+        spec, variant, config = item
+        try:
+            cache.compile_cached(render(spec, variant, config), variant.arch)
+        except CompileError as error:   # the timing loop raises it where it is used
+            print(f"{variant.slug} {config.slug}: {str(error).splitlines()[0]}", flush=True)
+
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        list(pool.map(build, builds.values()))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--key", help="a tune key of flash_attn_fwd_sm90 (none: the shipped configs "
@@ -124,54 +181,31 @@ def main() -> None:
     p.add_argument("--mod", help="softcap, alibi, window, document or packed: that shipped mods "
                    "spec with the bench's modifier values")
     opts = p.parse_args()
-    causals = {"both": [False, True], "true": [True], "false": [False]}[opts.causal]
+    plans = plan(opts)
+    prebuild(plans)
     rows, winners = [], []
-    for head_dim in opts.head_dims:
-        for causal in causals:
-            for seqlen in opts.seqlens:
-                batch, heads = max(1, opts.tokens // seqlen), 2048 // head_dim
-                torch.manual_seed(seqlen + head_dim)
-                q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda",
-                                       dtype=torch.bfloat16) for _ in range(3))
-                case = Case(opts.mod, head_dim, causal, batch, seqlen, heads)
-                base = {**case.shipped(batch, seqlen, heads), **opts.config}
-                configs = [{**base, opts.key: value} for value in opts.values] if opts.key else \
-                    [base] + [{**base, **alt} for alt in opts.alts]
-                variant = case.spec.variant(arch="sm_90a", **case.params)
-                if opts.alts:   # an alternative the spec forbids here is dropped, not the shape
-                    kept = [configs[0]]
-                    for alt, c in zip(opts.alts, configs[1:]):
-                        problems = case.spec.violations(variant, case.spec.parse_config(c))
-                        if problems:
-                            print(f"hd{head_dim} {'causal' if causal else 'full'} {seqlen}: "
-                                  f"alternative {alt} dropped: {problems[0]}", flush=True)
-                        else:
-                            kept.append(c)
-                    configs = kept
-                invalid = [problem for c in configs
-                           for problem in case.spec.violations(variant, case.spec.parse_config(c))]
-                if invalid:
-                    print(f"hd{head_dim} {'causal' if causal else 'full'} {seqlen}: skipped, "
-                          f"{base} with {opts.key} {opts.values}: {invalid[0]}", flush=True)
-                    continue
-                checks = [check(case, q, k, v, c) if seqlen <= 4096 else "-" for c in configs]
-                graphs = [captured(lambda c=c: case(q, k, v, c)) for c in configs]
-                times = [[] for _ in configs]
-                for _ in range(opts.rounds):
-                    for i, graph in enumerate(graphs):
-                        times[i].append(time_ms(graph.replay))
-                tflops = [case.flops / statistics.median(t) / 1e9 for t in times]
-                rows.append((head_dim, causal, seqlen, base, tflops, checks))
-                winner = max(range(len(configs)), key=tflops.__getitem__)
-                if opts.export and winner and tflops[winner] >= (1 + opts.min_gain) * tflops[0] \
-                        and checks[winner].startswith(("ok", "-")):
-                    problem = tune.Problem(batch, heads, heads, seqlen, seqlen)
-                    winners.append(entry(case, variant, problem, configs[winner],
-                                         statistics.median(times[winner])))
-                    export(opts.export, winners)   # each time: a call cut short keeps them
-                cells = " ".join(f"{t:7.1f} {t / tflops[0]:.3f}x" for t in tflops)
-                print(f"hd{head_dim} {'causal' if causal else 'full'} {seqlen}: {cells}  "
-                      f"{' | '.join(checks)}  base {base}", flush=True)
+    for head_dim, causal, seqlen, batch, heads, case, variant, configs in plans:
+        torch.manual_seed(seqlen + head_dim)
+        q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda",
+                               dtype=torch.bfloat16) for _ in range(3))
+        checks = [check(case, q, k, v, c) if seqlen <= 4096 else "-" for c in configs]
+        graphs = [captured(lambda c=c: case(q, k, v, c)) for c in configs]
+        times = [[] for _ in configs]
+        for _ in range(opts.rounds):
+            for i, graph in enumerate(graphs):
+                times[i].append(time_ms(graph.replay))
+        tflops = [case.flops / statistics.median(t) / 1e9 for t in times]
+        rows.append((head_dim, causal, seqlen, configs[0], tflops, checks))
+        winner = max(range(len(configs)), key=tflops.__getitem__)
+        if opts.export and winner and tflops[winner] >= (1 + opts.min_gain) * tflops[0] \
+                and checks[winner].startswith(("ok", "-")):
+            problem = tune.Problem(batch, heads, heads, seqlen, seqlen)
+            winners.append(entry(case, variant, problem, configs[winner],
+                                 statistics.median(times[winner])))
+            export(opts.export, winners)   # each time: a call cut short keeps them
+        cells = " ".join(f"{t:7.1f} {t / tflops[0]:.3f}x" for t in tflops)
+        print(f"hd{head_dim} {'causal' if causal else 'full'} {seqlen}: {cells}  "
+              f"{' | '.join(checks)}  base {configs[0]}", flush=True)
     print(f"\n{opts.key or 'shipped'}: " + " ".join(str(v) for v in opts.values or opts.alts))
     for head_dim, causal, seqlen, _, tflops, checks in rows:
         print(f"hd{head_dim:<4} {'causal' if causal else 'full':6} {seqlen:>6} "
