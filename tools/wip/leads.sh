@@ -53,12 +53,14 @@ for lead in ${LEADS:-sched rescale bn pers}; do case $lead in
   # Session 27 (PERF_NOTES §79): the softmax beside the previous block's P V (pv_wait), alone
   # and with FA3's rescale in the next QK^T's shadow (whose tail after the wait is then P's
   # packing only); at hd64 also pingpong where the shipped config has the plain schedule or
-  # none (192 x 144 is then over the register budget, 192 x 112 not).
+  # none (192 x 144 is then over the register budget; 192 x 112, and 192 x 128 without sum_mma,
+  # FA3's hd64 tile, not).
   pv)      run pv --causal both --head-dims 128 256 --seqlens 1024 4096 16384 --rounds 5 \
                --alts '{"pv_wait": 1}' '{"pv_wait": 1, "rescale": 1}' ;;
   pv64)    run pv64 --causal both --head-dims 64 --seqlens 1024 4096 16384 --rounds 5 \
                --alts '{"pv_wait": 1}' '{"pv_wait": 1, "rescale": 1}' \
-                      '{"pv_wait": 1, "schedule": 2}' '{"pv_wait": 1, "schedule": 2, "block_n": 112}' ;;
+                      '{"pv_wait": 1, "schedule": 2}' '{"pv_wait": 1, "schedule": 2, "block_n": 112}' \
+                      '{"pv_wait": 1, "schedule": 2, "block_n": 128, "sum_mma": 0}' ;;
   # ... the table's other entries (after pv and pv64, if pv_wait wins there) ...
   pvrest)  run pvrest --causal both --head-dims 64 128 256 --seqlens 512 2048 8192 --rounds 5 \
                --alts '{"pv_wait": 1}' '{"pv_wait": 1, "rescale": 1}'
