@@ -146,9 +146,11 @@ def plan(opts) -> list[tuple]:
 def prebuild(plans) -> None:
     """Every config's kernel compiled up front, in threads (NVRTC releases the GIL): the timing
     loop then finds them in the cache instead of compiling one at a time."""
-    builds = {render(case.spec, variant, case.spec.parse_config(c)).name:
-              (case.spec, variant, case.spec.parse_config(c))
-              for *_, case, variant, configs in plans for c in configs}
+    builds = {}
+    for *_, case, variant, configs in plans:
+        for c in configs:
+            config = case.spec.parse_config(c)
+            builds[(case.spec.name, variant.slug, config.slug)] = (case.spec, variant, config)
 
     def build(item):
         spec, variant, config = item
