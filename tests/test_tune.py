@@ -725,7 +725,27 @@ def test_an_ab_run_plans_its_shapes_and_builds_each_kernel_once(config_ab, monke
         assert configs[0] == {**configs[0], **plain} and configs[1:] == [{**configs[0], **alts[1]}]
     built = []
     monkeypatch.setattr(config_ab.cache, "compile_cached", lambda source, arch: built.append(source.name))
-    config_ab.prebuild(plans + plans)
+    assert config_ab.prebuild(plans + plans) == {}
     kernels = {config_ab.render(case.spec, variant, case.spec.parse_config(c)).name
                for *_, case, variant, configs in plans for c in configs}
     assert sorted(built) == sorted(kernels) and len(kernels) >= 3
+
+
+def test_an_ab_run_reports_a_config_that_does_not_compile(config_ab, monkeypatch):
+    """A config whose compile fails (ptxas's C7520 once stopped a whole lead) comes back from
+    prebuild by spec, variant and config slug, for the timing loop to skip; the others build."""
+    import argparse
+
+    alts = [{"pv_wait": 1}]
+    opts = argparse.Namespace(head_dims=[128], causal="false", seqlens=[4096], tokens=16384,
+                              mod=None, config={}, key=None, values=[], alts=alts)
+    (*_, case, variant, configs), = config_ab.plan(opts)
+    bad = case.spec.parse_config(configs[1]).slug
+
+    def compile_cached(source, arch):
+        if bad in source.name:
+            raise config_ab.CompileError("ptxas degraded it (warning C7520)\n  kernel: x")
+
+    monkeypatch.setattr(config_ab.cache, "compile_cached", compile_cached)
+    failed = config_ab.prebuild([(None,) * 5 + (case, variant, configs)])
+    assert failed == {(case.spec.name, variant.slug, bad): "ptxas degraded it (warning C7520)"}

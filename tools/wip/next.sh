@@ -10,6 +10,7 @@
 #   bash tools/wip/next.sh pvab    # ~8 min: pv_wait's leads (PERF_NOTES §79)
 #   bash tools/wip/next.sh pvmods  # ~4 min: pv_wait on the mods at hd128 4k
 #   bash tools/wip/next.sh pvrest  # ~9 min: pv_wait on the table's other entries (if pvab wins)
+#   bash tools/wip/next.sh hd64c   # <= 9 min: hd64 causal 512/1k tuned (192 x 128 in the search)
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
@@ -23,6 +24,10 @@ case $1 in
            STEPS=grid T_grid=540 PRESET=fwd-sm90-grid TOP=3 \
            GRID_ARGS="--head-dims ${HD:-256} --causal true --seqlens 2048 4096 8192 16384" \
            bash tools/h200_run.sh 2>&1 | tail -40 ;;
+  hd64c) # one tune run a shape, so each exports its DB even if the next is cut short
+         STEPS=grid T_grid=280 PRESET=fwd-sm90-grid TOP=3 \
+           GRID_ARGS="--head-dims 64 --causal true --seqlens 512;--head-dims 64 --causal true --seqlens 1024" \
+           bash tools/h200_run.sh 2>&1 | tail -20 ;;
   stalls) STEPS=ncusrc T_ncusrc=120 NCU_CASES="flash_attn_fwd_sm90@--head-dim 128 --seqlen 1024;flash_attn_fwd_sm90@--head-dim 128 --seqlen 8192;flash_attn_fwd_sm90@--head-dim 64 --seqlen 512 --causal" \
            bash tools/h200_run.sh 2>&1 | tee "$OUT/stalls.txt" | tail -120 ;;
   carry) # compute-sanitizer memcheck of session 26's keys on ragged shapes (their numerics and
@@ -34,5 +39,5 @@ case $1 in
          LEADS="pv pv64" LEAD_T=290 bash tools/wip/leads.sh 2>&1 | tee "$OUT/pv.txt" | tail -50 ;;
   pvmods) LEADS=pvmods LEAD_T=60 bash tools/wip/leads.sh 2>&1 | tee "$OUT/pvmods.txt" | tail -40 ;;
   pvrest) LEADS=pvrest LEAD_T=280 bash tools/wip/leads.sh 2>&1 | tee "$OUT/pvrest.txt" | tail -60 ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest"; exit 2 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c"; exit 2 ;;
 esac
