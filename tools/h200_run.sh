@@ -61,7 +61,12 @@ for step in $STEPS; do
                    -f -o "$OUT/src$n" > "$OUT/src$n.prof" 2>&1 || tail -5 "$OUT/src$n.prof"
                  ncu --import "$OUT/src$n.ncu-rep" --page source --csv --print-source sass \
                    > "$OUT/src$n.csv" 2> "$OUT/src$n.err" || tail -5 "$OUT/src$n.err"
-                 python3 tools/ncu_stalls.py "$OUT/src$n.csv" --top ${NCU_TOP:-30} 2>&1 \
+                 # the plain forward's SASS with line info (other cases: sass_lines.py refuses
+                 # their arguments, and the table goes without template lines)
+                 lines=
+                 python3 tools/sass_lines.py $args > "$OUT/src$n.sass" 2>> "$OUT/src$n.err" \
+                   && lines="--lines $OUT/src$n.sass"
+                 python3 tools/ncu_stalls.py "$OUT/src$n.csv" --top ${NCU_TOP:-30} $lines 2>&1 \
                    | tee -a "$OUT/ncusrc.log"
                fi
              done ;;

@@ -3,11 +3,13 @@ Compute report (PC sampling, collected with `--section SourceCounters --import-s
 `ncu --import R.ncu-rep --page source --csv --print-source sass` writes it, summed and ranked.
 
     ncu --import R.ncu-rep --page source --csv --print-source sass > R.csv
-    python3 tools/ncu_stalls.py R.csv [--top 40]
+    python3 tools/ncu_stalls.py R.csv [--top 40] [--lines KERNEL.sass]
 
 Prints the instructions holding the most warp-stall samples until they cover 90% of them (at
-most --top), each with its share, the running share and its two largest stall reasons, then the
-samples by opcode. tools/h200_run.sh step `ncusrc` runs both commands (PERF_NOTES §73 says what
+most --top), each with its share, the running share, its offset in the kernel (from the first
+row's address, nvdisasm's /*offset*/), its two largest stall reasons and, with --lines (the
+kernel's SASS with line info: tools/sass_lines.py, from the profiled kernel's NVRTC), the
+template lines it came from (innermost first), then the samples by opcode. tools/h200_run.sh step `ncusrc` runs both commands (PERF_NOTES §73 says what
 it is for: the fixed costs of short tiles)."""
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import argparse
 import collections
 import csv
 import io
+import re
 import sys
 
 SAMPLES = ("Warp Stall Sampling (All Samples)", "Warp Stall Sampling (All Cycles)")
@@ -25,6 +28,13 @@ def _number(text: str) -> float:
         return float(text.replace(",", "")) if text.strip() else 0.0
     except ValueError:
         return 0.0
+
+
+def _address(text: str) -> int | None:
+    try:
+        return int(text.strip(), 16)
+    except ValueError:
+        return None
 
 
 def opcode(sass: str) -> str:
@@ -44,11 +54,36 @@ def read(text: str) -> tuple[list[str], list[dict]]:
     return list(reader.fieldnames or []), list(reader)
 
 
+def source_lines(text: str) -> dict[int, str]:
+    """Offset -> 'file:line < caller:line' from nvdisasm --print-line-info-inline's output: each
+    instruction takes the `//## File "...", line N inlined at ...` group before it (nvdisasm
+    writes one where the line changes)."""
+    where, group, lines = {}, [], []
+    for line in text.splitlines():
+        info = re.match(r'\s*//## File "([^"]+)", line (\d+)', line)
+        if info:
+            if not lines:
+                group = []
+            name = info.group(1).rsplit("/", 1)[-1]
+            name = "kernel.cu" if "__sm_" in name else name   # the rendered source's long name
+            group.append(f"{name}:{info.group(2)}")
+            lines = group
+            continue
+        lines = []
+        code = re.match(r"\s*/\*([0-9a-f]{4,})\*/", line)
+        if code and group:
+            where[int(code.group(1), 16)] = " < ".join(group[:2])
+    return where
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("csv", help="the source page as CSV ('-': standard input)")
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--lines", metavar="SASS", help="the kernel's SASS with line info "
+                   "(tools/sass_lines.py): each instruction's template lines")
     opts = p.parse_args(argv)
+    where = source_lines(open(opts.lines).read()) if opts.lines else {}
     text = sys.stdin.read() if opts.csv == "-" else open(opts.csv).read()
     header, rows = read(text)
     total_col = next((c for c in SAMPLES if c in header), None)
@@ -57,20 +92,25 @@ def main(argv: list[str] | None = None) -> int:
     source_col = "Source" if "Source" in header else header[1]
     address_col = next((c for c in header if "Address" in c), None)
     # Per-reason columns: "stall_<reason>" style names or "Warp Stall Sampling ... <reason>".
-    reasons = [c for c in header if c not in SAMPLES and ("stall" in c.lower() or "Stall" in c)
-               and c != total_col and "Not-issued" not in c]
+    # (ncu 2025 names the latter "stall_barrier (Not Issued)": a subset of the former's samples)
+    reasons = [c for c in header if c not in SAMPLES and "stall" in c.lower() and c != total_col
+               and "not-issued" not in c.lower() and "not issued" not in c.lower()]
     counted = [(r, _number(r[total_col])) for r in rows]
     total = sum(n for _, n in counted)
     if total <= 0:
         raise SystemExit("no stall samples in the report")
     print(f"{len(rows)} instructions, {int(total)} stall samples ({total_col})")
+    first = _address(rows[0].get(address_col, "")) if address_col and rows else None
     running = 0.0
     for row, n in sorted(counted, key=lambda x: -x[1])[:opts.top]:
         running += n
         top = sorted(((_number(row[c]), c) for c in reasons), reverse=True)[:2]
         why = ", ".join(f"{c.split('(')[0].strip()[-28:]} {v / n:.0%}" for v, c in top if v > 0)
-        print(f"{n / total:6.1%} {running / total:6.1%}  {row.get(address_col, '') if address_col else '':>6}  "
-              f"{row[source_col].strip()[:70]:70}  {why}")
+        address = _address(row.get(address_col, "")) if address_col else None
+        offset = f"{address - first:#06x}" if address is not None and first is not None else ""
+        line = f"  {where.get(address - first, '')}" if where and offset else ""
+        print(f"{n / total:6.1%} {running / total:6.1%}  {offset:>7}  "
+              f"{row[source_col].strip()[:60]:60}  {why}{line}")
         if running >= 0.9 * total:
             break
     by_op = collections.Counter()
