@@ -78,6 +78,76 @@ def compact(state: torch.Tensor, block_m: int, block_n: int) -> BlockLists:
                       *_listed(state_t == PARTIAL), *_listed(state_t == FULL))
 
 
+def combine_halves(halves: torch.Tensor, causal: bool, seqlen_q: int, seqlen_k: int,
+                   block_n: int) -> torch.Tensor:
+    """The classification of 128-row tiles from that of their 64-row halves (B, H, cdiv(seqlen_q,
+    64), kv_blocks), the same as the classify kernel's at 128 rows: a half with no pair the kernel
+    counts (no rows, or causal: every key past its rows' diagonal) is neutral; else an EMPTY half
+    hides every pair, a PARTIAL one some, a FULL one none."""
+    rows, kv_blocks = halves.shape[-2:]
+    first_row = torch.arange(rows, device=halves.device)[:, None] * 64
+    last_row = torch.clamp(first_row + 63, max=seqlen_q - 1)
+    first_col = torch.arange(kv_blocks, device=halves.device)[None, :] * block_n
+    counted = first_col <= last_row + (seqlen_k - seqlen_q) if causal else \
+        torch.ones(rows, kv_blocks, dtype=torch.bool, device=halves.device)
+    shown = (halves != EMPTY)
+    hidden = counted & (halves != FULL)
+    if rows % 2:   # the last tile's lower half has no rows
+        shown = torch.cat([shown, torch.zeros_like(shown[..., -1:, :])], dim=-2)
+        hidden = torch.cat([hidden, torch.zeros_like(hidden[..., -1:, :])], dim=-2)
+    shown = shown[..., 0::2, :] | shown[..., 1::2, :]
+    hidden = hidden[..., 0::2, :] | hidden[..., 1::2, :]
+    state = torch.full(shown.shape, FULL, dtype=torch.uint8, device=halves.device)
+    state[hidden] = PARTIAL
+    state[~shown] = EMPTY
+    return state
+
+
+def group_for_warpgroups(halves: torch.Tensor, state: torch.Tensor, block_n: int) -> BlockLists:
+    """The forward lists of 128-row tiles (`state`: combine_halves of `halves`) for the Hopper
+    forward's warpgroup skips (wg_skip: its two consumer warpgroups each own 64 rows). A row's
+    visiting order (the partial list, then the full list) is: the blocks one warpgroup's rows
+    do not see (it skips them as its leading blocks), the partial blocks both see, the full
+    blocks both see, the blocks the other warpgroup's rows do not see (its trailing blocks),
+    each group ascending, the first and last groups evaluated per element. So the partial list
+    holds the first two groups (kv_num counts them) and the full list the last two (full_kv_num
+    counts both); the leading warpgroup is the one with more to skip (the dynamic schedule caps
+    trailing skips at stages - 1). Both lists have two more columns (the rows' stride is
+    shared), in kv_idx: [..., -2] the leading group's size | the leading warpgroup << 16,
+    [..., -1] the trailing group's size, whose blocks need the mask_mod per element. The
+    transposed lists are those of `state`."""
+    rows = halves.shape[-2]
+    if rows % 2:   # a lower half with no rows skips every block (nothing of it is stored)
+        halves = torch.cat([halves, torch.full_like(halves[..., -1:, :], EMPTY)], dim=-2)
+    partial, listed = state == PARTIAL, state != EMPTY
+    # (A full block one half has no pair of, causal past its rows' diagonal, is skipped by that
+    # half's warpgroup too, and so masked per element by the other: one block a tile at most.)
+    skip = (listed & (halves[..., 0::2, :] == EMPTY), listed & (halves[..., 1::2, :] == EMPTY))
+    counts = [s.sum(-1, dtype=torch.int32) for s in skip]
+    lead_wg = counts[1] > counts[0]                                   # (B, H, q_blocks)
+    leading = torch.where(lead_wg[..., None], skip[1], skip[0])
+    trailing = torch.where(lead_wg[..., None], skip[0], skip[1])
+    kv_blocks = state.shape[-1]
+    column = torch.arange(kv_blocks, device=state.device)
+    # Sort keys: the group (its place in the visiting order) then the block; 4: not listed.
+    front = torch.where(leading, 0, torch.where(partial & ~trailing, 1, 4))
+    back = torch.where(trailing, 3, torch.where(listed & ~partial & ~leading, 2, 4))
+    ranked = [torch.sort(g * kv_blocks + column, dim=-1, stable=True).indices.to(torch.int32)
+              for g in (front, back)]
+    n_lead = torch.where(lead_wg, counts[1], counts[0])
+    n_trail = torch.where(lead_wg, counts[0], counts[1])
+    info = torch.stack([n_lead | (lead_wg.to(torch.int32) << 16), n_trail], dim=-1)
+    transposed = compact(state, 128, block_n)
+    return BlockLists(128, block_n,
+                      (front < 4).sum(-1, dtype=torch.int32),
+                      torch.cat([ranked[0], info.to(torch.int32)], dim=-1).contiguous(),
+                      (back < 4).sum(-1, dtype=torch.int32),
+                      torch.cat([ranked[1], torch.zeros_like(info, dtype=torch.int32)],
+                                dim=-1).contiguous(),
+                      transposed.q_num, transposed.q_idx, transposed.full_q_num,
+                      transposed.full_q_idx)
+
+
 def classify_dense(visible: torch.Tensor, causal: bool, block_m: int, block_n: int) -> torch.Tensor:
     """What the classify kernel computes, from a dense boolean mask (B, H, seqlen_q, seqlen_k) of
     the mask_mod: the CPU oracle of the tests, and the way to a BlockMask of any dense mask."""
@@ -118,22 +188,37 @@ class BlockMask:
                                                                 repr=False)
     built: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def lists(self, block_m: int, block_n: int) -> BlockLists:
-        found = self.built.get((block_m, block_n))
+    def lists(self, block_m: int, block_n: int, grouped: bool = False) -> BlockLists:
+        """grouped (block_m 128 only): the forward lists with each row's partial blocks grouped
+        for the Hopper forward's warpgroup skips (group_for_warpgroups), from a classification
+        of 64-row halves."""
+        key = (block_m, block_n, "grouped") if grouped else (block_m, block_n)
+        found = self.built.get(key)
         if found is None:
             if self.classify is None:
                 raise ValueError(
                     f"block_mask has lists for block sizes {sorted(self.built)} (block_m, block_n) "
-                    f"only, but the kernel's tile is ({block_m}, {block_n}); build it with "
+                    f"only, but the kernel's tile is {key}; build it with "
                     "create_block_mask (any tile size), or give lists for this one")
-            found = self.built[(block_m, block_n)] = compact(self.classify(block_m, block_n),
-                                                             block_m, block_n)
+            if grouped:
+                if block_m != 128:
+                    raise ValueError(f"grouped block lists are for 128-row tiles (two warpgroups "
+                                     f"of 64 rows), not block_m={block_m}")
+                halves = self.classify(64, block_n)
+                state = combine_halves(halves, self.causal, self.seqlen_q, self.seqlen_k,
+                                       block_n)
+                found = group_for_warpgroups(halves, state, block_n)
+            else:
+                found = compact(self.classify(block_m, block_n), block_m, block_n)
+            self.built[key] = found
         return found
 
-    def kernel_args(self, block_m: int, block_n: int, transposed: bool = False) -> tuple:
+    def kernel_args(self, block_m: int, block_n: int, transposed: bool = False,
+                    grouped: bool = False) -> tuple:
         """The values of spec.BLOCK_SPARSE_ARGS for a kernel with this tile (tensors for the
-        pointers); transposed: the backward main kernel's lists (per KV block)."""
-        lists = self.lists(block_m, block_n)
+        pointers); transposed: the backward main kernel's lists (per KV block); grouped: a
+        Hopper forward's with wg_skip 1 (lists())."""
+        lists = self.lists(block_m, block_n, grouped)
         if transposed:
             tensors = (lists.q_num, lists.q_idx, lists.full_q_num, lists.full_q_idx)
         else:

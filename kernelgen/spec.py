@@ -50,7 +50,8 @@ ARG_CTYPES = {"ptr": "void*", "i32": "int", "i64": "long long", "f32": "float",
               "tmap": "const __grid_constant__ kg::TensorMap"}
 # Names the environment and the template context define themselves (see render.py).
 CONTEXT_NAMES = frozenset({"max_smem", "arch_number", "arch", "entry", "args", "signature", "mods",
-                           "param_values", "sm_count", "kv_blocks_vary", "kv_ranged"})
+                           "param_values", "sm_count", "kv_blocks_vary", "kv_ranged",
+                           "block_sparse"})
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _SLUG_TEXT = re.compile(r"[A-Za-z0-9_]+\Z")  # string param values end up in file names
@@ -316,11 +317,13 @@ class KernelSpec:
         info = ARCHS[variant.arch]
         # kv_blocks_vary: whether the spec's mods make a query tile's KV blocks depend on its rows
         # beyond causal (a kv range, a block mask), for constraints on configs that need them equal;
-        # kv_ranged: whether a kv range (not a block mask) decides them, for keys that only it reads.
+        # kv_ranged: whether a kv range (not a block mask) decides them, for keys that only it reads;
+        # block_sparse: whether a block mask does.
         env = {**dict(variant.params), **dict(config.values),
                "max_smem": info.max_smem, "arch_number": info.number,
                "kv_blocks_vary": bool(self.mods.kv_range or self.mods.block_sparse),
-               "kv_ranged": bool(self.mods.kv_range and not self.mods.block_sparse)}
+               "kv_ranged": bool(self.mods.kv_range and not self.mods.block_sparse),
+               "block_sparse": bool(self.mods.block_sparse)}
         for name, expr in self.derived:  # in order: each may use the ones before it
             env[name] = expr(env)
         return env
@@ -744,7 +747,8 @@ def _parse(path: Path, text: bytes, onto: str | None = None) -> KernelSpec:
     space_defaults = tuple((key, default) for key, (_, default) in keys.items()
                            if default is not None)
     derived = _derived(top.get("derived", {}), at["derived"], names)
-    known = [*names.defined, "max_smem", "arch_number", "kv_blocks_vary", "kv_ranged"]
+    known = [*names.defined, "max_smem", "arch_number", "kv_blocks_vary", "kv_ranged",
+             "block_sparse"]
     constraints, defaults, skip = _rules(tune, at["tune"], space, known, space_defaults)
 
     args = _list(top["args"], at["args"], nonempty=False)

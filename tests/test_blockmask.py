@@ -3,6 +3,8 @@ on CPU tensors), the arguments a kernel gets, the errors for a mask of the wrong
 before any launch), and the classify kernel compiling clean for every variant."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -34,6 +36,53 @@ def test_block_sparse_needs_a_mask_mod_and_a_boolean(tmp_path):
         load_spec(write(tmp_path, "mods:\n  score_mod: \"score\"\n  block_sparse: true\n"))
     with pytest.raises(SpecError, match="mods.block_sparse: expected true or false"):
         load_spec(write(tmp_path, "mods:\n  mask_mod: \"true\"\n  block_sparse: 1\n"))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1000, 1000), (1000, 700), (700, 1000), (60, 90),
+                                                (190, 190)])
+def test_lists_grouped_for_the_warpgroups(causal, seqlen_q, seqlen_k):
+    """wg_skip's lists: the 128-row classification from 64-row halves equals the direct one;
+    a row's visiting order (partial list, then full list) lists the same blocks as the plain
+    lists, evaluates the mask_mod on exactly the partial ones (the first kv_num and the last
+    trailing-group ones), and puts every listed block a warpgroup's rows do not see in its
+    group: the leading one for the leading warpgroup, the trailing one for the other."""
+    from kernelgen.bench_mods import document_ids, document_lengths
+
+    ids = document_ids(document_lengths(2, max(seqlen_q, seqlen_k), 6, seed=3))
+    doc_q, doc_k = ids[:, -seqlen_q:], ids[:, -seqlen_k:]
+    same = (doc_q[:, :, None] == doc_k[:, None, :])[:, None]
+    skips = 0
+    for block_n in (64, 80, 128):
+        halves = blockmask.classify_dense(same, causal, 64, block_n)
+        assert torch.equal(blockmask.combine_halves(halves, causal, seqlen_q, seqlen_k, block_n),
+                           blockmask.classify_dense(same, causal, 128, block_n))
+        mask = blockmask.from_dense(load_spec(SPEC), same, causal, batch=2)
+        plain, grouped = mask.lists(128, block_n), mask.lists(128, block_n, grouped=True)
+        assert torch.equal(grouped.q_idx, plain.q_idx)
+        width = plain.kv_idx.shape[-1]
+        assert grouped.kv_idx.shape[-1] == grouped.full_kv_idx.shape[-1] == width + 2
+        for b, qb in itertools.product(range(2), range(plain.kv_num.shape[2])):
+            n_partial, n_full = plain.kv_num[b, 0, qb], plain.full_kv_num[b, 0, qb]
+            partial = set(plain.kv_idx[b, 0, qb, :n_partial].tolist())
+            full = set(plain.full_kv_idx[b, 0, qb, :n_full].tolist())
+            front, back = grouped.kv_num[b, 0, qb], grouped.full_kv_num[b, 0, qb]
+            order = (grouped.kv_idx[b, 0, qb, :front].tolist()
+                     + grouped.full_kv_idx[b, 0, qb, :back].tolist())
+            info = grouped.kv_idx[b, 0, qb, width:].tolist()
+            lead, lead_wg, trail = info[0] & 0xFFFF, info[0] >> 16, info[1]
+            assert sorted(order) == sorted(partial | full)
+            masked = {block for i, block in enumerate(order) if i < front or i >= len(order) - trail}
+            groups = {*order[:lead], *order[len(order) - trail:]}   # full blocks in them, causal
+            assert partial <= masked and masked - partial <= groups
+            for wg in (0, 1):
+                if 2 * qb + wg >= halves.shape[2]:
+                    continue
+                unseen = {j for j in order if halves[b, 0, 2 * qb + wg, j] == blockmask.EMPTY}
+                mine = order[:lead] if wg == lead_wg else order[len(order) - trail:]
+                assert unseen == set(mine) and len(mine) == len(unseen)
+            skips += lead + trail
+    assert skips > 0
 
 
 def test_classify_dense_and_compact():

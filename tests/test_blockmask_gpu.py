@@ -126,6 +126,13 @@ def test_classify_kernel_matches_its_oracle(causal):
         for name in ("kv_num", "full_kv_num", "q_num", "full_q_num"):
             assert torch.equal(getattr(lists, name), getattr(expected, name)), name
         assert {0, 1, 2} <= set(state.unique().tolist())
+    # wg_skip's grouped lists (from 64-row halves on the GPU) are those of the dense oracle
+    dense = blockmask.from_dense(kernel.spec, same_document(doc_q, doc_k).cpu(), causal, batch=2)
+    for block_n in (64, 128, 176):
+        got, want = mask.lists(128, block_n, grouped=True), dense.lists(128, block_n, grouped=True)
+        for name in ("kv_num", "kv_idx", "full_kv_num", "full_kv_idx", "q_num", "full_q_num"):
+            assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), (block_n, name)
+        assert (got.kv_idx[..., -2] & 0xffff).sum() > 0 and got.kv_idx[..., -1].sum() > 0
 
 
 def test_a_mask_of_another_problem_is_refused_before_launch():

@@ -216,7 +216,7 @@ def test_forward_sm90_launches_the_hopper_kernel_with_the_mod_args_last(no_gpu):
     assert kernel.spec.name == "flash_attn_document__flash_attn_fwd_sm90"
     defaults = {"q_buffers": 1, "sum_mma": 0, "rescale": 0, "q_split": 0, "cluster": 1,
                 "kv_align": 0, "grid_order": 0, "half_diag": 0, "carry_qk": 0, "q_prefetch": 0,
-                "pv_wait": 0}
+                "pv_wait": 0, "wg_skip": 0}
     assert kernel.config.as_dict() == {**config, **defaults} and not problems   # explicit: no lookup
     assert grid == (5, 1, 1)   # persistent: min(3 query tiles * 4 heads * 2, sm_count)
     names = [a.name for a in kernel.spec.args]
@@ -234,6 +234,7 @@ def test_forward_sm90_launches_the_hopper_kernel_with_the_mod_args_last(no_gpu):
         300, 200, 2, 0.125)
     assert named["o"] == out.data_ptr() and named["lse"] == lse.data_ptr()
 
+
     # Without a config: tune.lookup's, for this problem; the plan is kept for the next call.
     cap = mods_sm90.forward_sm90(load_spec("flash_attn_softcap"), q, k, v,
                                  {"head_dim": 64, "dtype": "bf16", "causal": False}, 0.125, (30.0,))
@@ -243,6 +244,14 @@ def test_forward_sm90_launches_the_hopper_kernel_with_the_mod_args_last(no_gpu):
     assert launches[1][1][-1] == launches[2][1][-1] == 30.0 and cap[0].shape == q.shape
     default = launches[1][0].spec.default_config(launches[1][0].variant)
     assert launches[1][0].config == default and launches[1][2] == (3, 4, 2)   # a CTA per tile
+
+    # wg_skip: the lists grouped for the two warpgroups, two columns wider (their groups' sizes)
+    mods_sm90.forward_sm90("flash_attn_document", q, k, v, params, 0.125, (doc_q.data_ptr(), doc_k),
+                           config={**config, "wg_skip": 1}, block_mask=mask)
+    named = dict(zip(names, launches[-1][1]))
+    grouped = mask.lists(128, 64, grouped=True)
+    assert grouped is not lists and named["bm_idx"] == grouped.kv_idx.data_ptr()
+    assert named["bm_full_num"] == grouped.full_kv_num.data_ptr() and named["bm_width"] == 4 + 2
 
 
 def test_forward_sm90_checks_the_mod_values(no_gpu):

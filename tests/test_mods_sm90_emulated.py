@@ -233,6 +233,45 @@ def test_document_mask(causal, cfg):
     assert torch.all(lse[1, :, 200:] == float("-inf"))
 
 
+@pytest.mark.parametrize("causal, cfg", [
+    (False, config(128, 64, schedule=1, persistent=2, wg_skip=1)),
+    (True, config(128, 64, schedule=2, persistent=0, wg_skip=1)),
+    (False, config(128, 64, schedule=2, persistent=1, stages=3, wg_skip=1)),
+    (True, config(128, 64, schedule=1, persistent=2, wg_skip=1)),
+], ids=["full-dynamic", "causal-pingpong", "full-pingpong-3-stages", "causal-dynamic"])
+def test_document_mask_warpgroup_skips(causal, cfg):
+    """wg_skip: grouped lists, each warpgroup skipping the blocks its own 64 rows do not see.
+    Query rows 0-60 are document 0, 61-191 document 1, 192-299 document 3; keys 0-127 document
+    0, 128-159 document 1, 160-199 document 2 (no query's), 200-309 document 3. Tile 0:
+    warpgroup 1's rows (64-127) see neither of the first two 64-key blocks (it leads, skipping
+    both), causal, warpgroup 0's see no key of block 2 (it trails). Tile 1: warpgroup 0's rows
+    see blocks 3 and 4 not at all (it leads), warpgroup 1's block 2 not at all (it trails),
+    which warpgroup 0 sees in part: masked per element. Rows 280-299 of the second batch see
+    no key."""
+    batch, seqlen_q, seqlen_k, heads = 2, 300, 310, 2
+    q, k, v = qkv(batch, seqlen_q, seqlen_k, heads, heads, 128)
+
+    def runs(*pairs):   # (document, tokens) in turn, for every batch element
+        ids = torch.cat([torch.full((n,), d, dtype=torch.int32) for d, n in pairs])
+        return ids.expand(batch, -1).contiguous()
+
+    doc_q, doc_k = runs((0, 61), (1, 131), (3, 108)), runs((0, 128), (1, 32), (2, 40), (3, 110))
+    doc_q[1, 280:] = 99
+    same = (doc_q[:, :, None] == doc_k[:, None, :])[:, None]
+    spec = onto("flash_attn_document")
+    mask = blockmask.from_dense(spec, same, causal, batch=batch)
+    lists = mask.kernel_args(cfg["block_m"], cfg["block_n"], grouped=True)
+    info = mask.lists(cfg["block_m"], cfg["block_n"], grouped=True).kv_idx[..., -2:]
+    lead, lead_wg, trail = info[..., 0] & 0xffff, info[..., 0] >> 16, info[..., 1]
+    assert lead[:, 0, 0].min() >= 2 and lead_wg[:, 0, 0].eq(1).all()
+    assert lead[:, 0, 1].min() >= 2 and lead_wg[:, 0, 1].eq(0).all() and trail[:, 0, 1].min() >= 1
+    lse = check(q, k, v, causal, config=cfg, seed=5, lazy=causal, spec=spec,
+                mod_args={"doc_q": doc_q, "doc_k": doc_k,
+                          **dict(zip((a.name for a in spec.mods.block_args), lists))},
+                mask_mod=lambda *_: same)
+    assert torch.all(lse[1, :, 280:] == float("-inf"))
+
+
 @pytest.mark.parametrize("prefix, cfg", [
     (0, config(persistent=0)),
     (37, config(persistent=1)),

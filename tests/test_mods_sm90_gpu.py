@@ -152,7 +152,14 @@ def test_alibi_with_half_diagonal_blocks(dtype):
               s - slopes.view(1, heads, 1, 1) * (i + sk - sq - j).abs().float())
 
 
-@pytest.mark.parametrize("config", [None, PERSISTENT, DYNAMIC], ids=["default", "persistent", "dynamic"])
+# wg_skip: the block mask's lists grouped so that each warpgroup skips the blocks its 64 rows
+# do not see (built from 64-row halves by the classify kernel)
+WG_SKIP = ({**DYNAMIC, "schedule": 1, "wg_skip": 1},
+           {**PERSISTENT, "block_n": 64, "stages": 3, "wg_skip": 1})
+
+
+@pytest.mark.parametrize("config", [None, PERSISTENT, DYNAMIC, *WG_SKIP],
+                         ids=["default", "persistent", "dynamic", "wg-skip-dynamic", "wg-skip-64"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_document_mask(causal, config):
     torch.manual_seed(3)

@@ -253,8 +253,8 @@ BAD = {
     "attribute": (_set("launch", "smem", value="smem.real"), "launch.smem: attribute not allowed"),
     "unknown name": (_set("tune", "constraints", 1, value="blok <= width"),
                      "tune.constraints[1]: unknown name 'blok' in 'blok <= width'; allowed: "
-                     "arch_number, block, fast, flavor, kv_blocks_vary, kv_ranged, max_smem, smem,"
-                     " tile, warps, width"),
+                     "arch_number, block, block_sparse, fast, flavor, kv_blocks_vary, kv_ranged,"
+                     " max_smem, smem, tile, warps, width"),
     "derived uses a later one": (_set("derived", "tile", value="smem // 4"),
                                  "derived.tile: unknown name 'smem'"),
     "launch uses a pointer": (_set("launch", "grid", 0, value="x"),

@@ -7,7 +7,9 @@ given (default all): the short run for a change to how the kernels evaluate a ma
 --clusters: only the Hopper forward's clusters (CLUSTER, and its 3-stage pingpong sibling).
 --causal-keys: only the Hopper forward's causal grid_order and half_diag configs (ORDERED, HALF).
 --carry: only the Hopper forward's carry_qk and q_prefetch configs (CARRY, PREFETCH: static and
-dynamic, both masks)."""
+dynamic, both masks).
+--wg-skip: only the Hopper forward's document masks with wg_skip (WG_SKIP: grouped block lists,
+each warpgroup skipping the blocks its 64 rows do not see)."""
 import argparse
 
 import torch
@@ -43,6 +45,10 @@ PREFETCH = ({**DYNAMIC_WIDE, "persistent": 1, "q_split": 1, "q_prefetch": 1},
 # Each block's V waited for at the end of its softmax (pv_wait): dynamic pingpong with causal
 # skips, and a CTA per tile with the early rescale.
 PV_WAIT = ({**DYNAMIC, "pv_wait": 1}, {**DYNAMIC_WIDE, "persistent": 0, "rescale": 1, "pv_wait": 1})
+# Block masks' lists grouped for the two warpgroups (wg_skip): dynamic overlap, static pingpong
+# with three stages.
+WG_SKIP = ({**DYNAMIC, "schedule": 1, "wg_skip": 1},
+           {**DYNAMIC, "persistent": 1, "q_buffers": 1, "stages": 3, "wg_skip": 1})
 
 
 def within_rule(out, ref, pt):
@@ -64,6 +70,8 @@ parser.add_argument("--clusters", action="store_true",
                     help="only the Hopper forward's cluster configs (head dims 128 and 256)")
 parser.add_argument("--causal-keys", action="store_true",
                     help="only the Hopper forward's grid_order and half_diag configs (causal)")
+parser.add_argument("--wg-skip", action="store_true",
+                    help="only the Hopper forward's document masks with wg_skip")
 parser.add_argument("--carry", action="store_true",
                     help="only the Hopper forward's carry_qk, q_prefetch and pv_wait configs")
 opts = parser.parse_args()
@@ -164,6 +172,38 @@ def check_carry():
                        seqlen_k)
 
 
+def check_wg_skip():
+    """Documents of 29 tokens (so every tile has boundaries inside it) and of 40-70 (a few
+    blocks a warpgroup skips whole), queries the last seqlen_q tokens, on ragged shapes."""
+    from kernelgen.mods_sm90 import forward_sm90
+
+    wide = ({**DYNAMIC_WIDE, "wg_skip": 1},)   # hd256: one Q buffer, the overlap schedule
+    for head_dim, configs in ((64, WG_SKIP), (128, WG_SKIP), (256, wide)):
+        for causal in (False, True):
+            params = {"head_dim": head_dim, "dtype": "bf16", "causal": causal}
+            for seqlen_q, seqlen_k in ((17, 33), (130, 77), (77, 130), (300, 310), (700, 530)):
+                for size in (29, 57):
+                    docs = (torch.arange(seqlen_k, device="cuda", dtype=torch.int32) // size)
+                    docs = docs.repeat(2, 1).contiguous()
+                    doc_q = (docs[:, -seqlen_q:] if seqlen_q <= seqlen_k else
+                             torch.arange(seqlen_q, device="cuda", dtype=torch.int32)
+                             .div(size, rounding_mode="floor").repeat(2, 1)).contiguous()
+                    q = torch.randn(2, seqlen_q, 4, head_dim, device="cuda", dtype=torch.bfloat16)
+                    k, v = (torch.randn(2, seqlen_k, 4, head_dim, device="cuda",
+                                        dtype=torch.bfloat16) for _ in range(2))
+                    same = (doc_q[:, :, None] == docs[:, None, :])[:, None]
+                    ref, _ = attention_ref(q, k, v, causal, upcast=True, mask_mod=lambda *_: same)
+                    pt, _ = attention_ref(q, k, v, causal, upcast=False, mask_mod=lambda *_: same)
+                    for config in configs:
+                        out, _ = forward_sm90("flash_attn_document", q, k, v, params,
+                                              head_dim ** -0.5,
+                                              (doc_q.data_ptr(), docs.data_ptr()), config=config)
+                        report(within_rule(out, ref, pt), "document wg_skip", head_dim, causal,
+                               config, seqlen_q, seqlen_k, size)
+
+
+if opts.wg_skip:
+    short_run("wg_skip", check_wg_skip)
 if opts.causal_keys:
     short_run("causal keys", check_all_causal_keys)
 if opts.carry:

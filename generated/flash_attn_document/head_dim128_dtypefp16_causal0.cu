@@ -53,6 +53,13 @@ struct Mods {
                              n_partial, n_partial + bm_full_num[row]};
     }
 
+    // A row of grouped lists' two more entries (wg_skip: blockmask.group_for_warpgroups): the
+    // leading group's size | the leading warpgroup << 16, the trailing group's size.
+    __device__ __forceinline__ kg::SparseGroups sparse_groups(const kg::SparseRow& row) const {
+        const int lead = row.partial[bm_width - 2];
+        return kg::SparseGroups{lead & 0xffff, lead >> 16, row.partial[bm_width - 1]};
+    }
+
     // qk: the raw dot product q.k; the expressions see score = softmax_scale * qk, or start from
     // qk (an unused score costs nothing: the compiler drops it).
     __device__ __forceinline__ float score_mod(float qk, float softmax_scale, int batch, int head,
@@ -74,7 +81,7 @@ struct Mods {
                                              int seqlen_q, int seqlen_k) const {
 #line 12 "specs/flash_attn_document.yaml"
         return (doc_q[batch * seqlen_q + q_idx] == doc_k[batch * seqlen_k + kv_idx]);
-#line 76 "flash_attn_document__head_dim128_dtypefp16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 83 "flash_attn_document__head_dim128_dtypefp16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int kv_lo(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {

@@ -70,4 +70,7 @@ for lead in ${LEADS:-sched rescale bn pers}; do case $lead in
   pvmods)  for m in softcap alibi window document packed; do
              run pv_$m --mod $m --causal both --head-dims 128 --seqlens 4096 --rounds 5 \
                --alts '{"pv_wait": 1}' '{"pv_wait": 1, "rescale": 1}'; done ;;
+  # wg_skip (PERF_NOTES §81): each warpgroup skips the document blocks its 64 rows do not see
+  wgskip)  run wgskip --mod document --causal both --head-dims 64 128 --seqlens 2048 4096 8192 --rounds 5 \
+             --alts '{"wg_skip": 1}' '{"wg_skip": 1, "block_n": 64}' ;;
 esac; done

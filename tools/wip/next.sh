@@ -11,6 +11,8 @@
 #   bash tools/wip/next.sh pvmods  # ~4 min: pv_wait on the mods at hd128 4k
 #   bash tools/wip/next.sh pvrest  # ~9 min: pv_wait on the table's other entries (if pvab wins)
 #   bash tools/wip/next.sh hd64c   # <= 9 min: hd64 causal 512/1k tuned (192 x 128 in the search)
+#   bash tools/wip/next.sh wgskip  # ~3 min: wg_skip on the document mask (PERF_NOTES §81)
+#   bash tools/wip/next.sh wgcheck # <= 4 min: memcheck of wg_skip's document kernels, ragged shapes
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
@@ -28,6 +30,8 @@ case $1 in
          STEPS=grid T_grid=280 PRESET=fwd-sm90-grid TOP=3 \
            GRID_ARGS="--head-dims 64 --causal true --seqlens 512;--head-dims 64 --causal true --seqlens 1024" \
            bash tools/h200_run.sh 2>&1 | tail -20 ;;
+  wgskip) LEADS=wgskip LEAD_T=240 bash tools/wip/leads.sh 2>&1 | tee "$OUT/wgskip.txt" | tail -30 ;;
+  wgcheck) STEPS=memcheck T_memcheck=300 RAGGED_ARGS=--wg-skip bash tools/h200_run.sh 2>&1 | tail -4 ;;
   stalls) STEPS=ncusrc T_ncusrc=120 NCU_CASES="flash_attn_fwd_sm90@--head-dim 128 --seqlen 1024;flash_attn_fwd_sm90@--head-dim 128 --seqlen 8192;flash_attn_fwd_sm90@--head-dim 64 --seqlen 512 --causal" \
            bash tools/h200_run.sh 2>&1 | tee "$OUT/stalls.txt" | tail -120 ;;
   carry) # compute-sanitizer memcheck of session 26's keys on ragged shapes (their numerics and
@@ -39,5 +43,5 @@ case $1 in
          LEADS="pv pv64" LEAD_T=290 bash tools/wip/leads.sh 2>&1 | tee "$OUT/pv.txt" | tail -50 ;;
   pvmods) LEADS=pvmods LEAD_T=60 bash tools/wip/leads.sh 2>&1 | tee "$OUT/pvmods.txt" | tail -40 ;;
   pvrest) LEADS=pvrest LEAD_T=280 bash tools/wip/leads.sh 2>&1 | tee "$OUT/pvrest.txt" | tail -60 ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c"; exit 2 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck"; exit 2 ;;
 esac

@@ -107,6 +107,12 @@ struct SparseRow {
     }
 };
 
+// A row of grouped lists' extra entries (the Hopper forward's wg_skip: blockmask.py
+// group_for_warpgroups): the leading group's size and warpgroup, the trailing group's size.
+struct SparseGroups {
+    int lead, lead_wg, trail;
+};
+
 struct NoMods {
     static constexpr bool kScoreMod = false, kMaskMod = false, kKvRange = false;
     static constexpr bool kBlockSparse = false, kClampIndices = false, kExactRange = false;

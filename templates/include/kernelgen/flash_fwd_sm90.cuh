@@ -82,8 +82,9 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     // Causal skips with blocks as long as the tile (128 x 128) only where seqlen_k - seqlen_q
     // is not a multiple of them: those kernels keep their code (the per-tile count measured
     // -1% / -2% at hd64 causal 512 / 1k, where it never skipped).
-    constexpr bool kSkips = !Mods::kBlockSparse &&
-                            ((C::kCausal && C::kBlockN < C::kBlockM) || Mods::kKvRange);
+    constexpr bool kSkips = (Mods::kBlockSparse && C::kWgSkip) ||
+                            (!Mods::kBlockSparse &&
+                             ((C::kCausal && C::kBlockN < C::kBlockM) || Mods::kKvRange));
     const SkippedBlocks skipped = kSkips ? skipped_blocks<C>(a, mods, w, wg_row0)
                                          : SkippedBlocks{0, 0};
     constexpr bool kCarry = C::kCarryQk;  // this tile's first S is in flight already
@@ -191,7 +192,8 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     // Block i's mask_mod bits, called between the issue of its QK^T and the wait for it.
     const auto mask_bits = [&](int i, int early) {
         if constexpr (Mods::kMaskMod)
-            return mod_mask_bits<C>(a, mods, w, full, block_col0(i, early), wg_row0, lane_row, i);
+            return mod_mask_bits<C>(a, mods, w, full, block_col0(i, early), wg_row0, lane_row,
+                                    i + skip);   // the tile's index (wg_skip's lists skip some)
         else
             return ModBits<C>{};
     };

@@ -33,7 +33,7 @@ struct Pick<false> {
 template <class Elem_, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool CAUSAL,
           int SCHEDULE, int PERSISTENT, int Q_BUFFERS, int SUM_MMA, int RESCALE, int Q_SPLIT,
           int CLUSTER, int KV_ALIGN, int GRID_ORDER, int HALF_DIAG, int CARRY_QK, int Q_PREFETCH,
-          int PV_WAIT,
+          int PV_WAIT, int WG_SKIP,
           class QkGemm_, class QkGemmHalf_, class PvGemm_>
 struct Sm90Config {
     using Elem = Elem_;
@@ -91,6 +91,10 @@ struct Sm90Config {
     // issues its P V to the end of its softmax, where it keeps ptxas from hoisting the wait
     // for the previous P V to the softmax's start (sm90_consume).
     static constexpr bool kPvWait = PV_WAIT == 1;
+    // WG_SKIP 1 (block masks, two consumer warpgroups): the mask's lists come grouped (kernelgen/
+    // blockmask.py group_for_warpgroups): each warpgroup skips the blocks its 64 rows do not see,
+    // one warpgroup's first in the tile's visiting order, the other's last (skipped_blocks).
+    static constexpr bool kWgSkip = WG_SKIP == 1;
     static constexpr int kConsumers = BLOCK_M / 64;          // one warpgroup per 64 query rows
     static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
     // Per-thread register budgets after setmaxnreg (FA3's: 24/240 for 2 consumers, 32/160 for 3).
@@ -133,6 +137,7 @@ struct Sm90Config {
     static_assert(!kQPrefetch || (PERSISTENT && Q_BUFFERS == 1),
                   "q_prefetch: a persistent CTA's next tile, whose Q loads after the epilogue");
     static_assert(!kPvWait || SCHEDULE > 0, "pv_wait: a P V in flight during the softmax");
+    static_assert(!kWgSkip || BLOCK_M == 128, "wg_skip: the lists' groups are of two 64-row halves");
     static_assert(CLUSTER == 1 || (CLUSTER == 2 && !PERSISTENT && !CAUSAL && kPanels % 2 == 0),
                   "a cluster's CTAs share the KV blocks of a CTA per tile, non-causal, by panels");
 };

@@ -172,12 +172,15 @@ __device__ __forceinline__ void bias_scores(float (&acc_s)[C::kBlockN / 2], floa
 }
 
 // Which blocks evaluate the mask_mod per element: all of them, or with a block mask only its
-// partially visible blocks (the first w.sparse.n_partial of the tile's visiting order; `block` is
-// this one's index in it), or with a kv range the blocks not inside the full range.
+// partially visible blocks (the first w.sparse.n_partial of the tile's visiting order, and with
+// wg_skip's grouped lists its last w.n_trailing; `block` is this one's index in it), or with a
+// kv range the blocks not inside the full range.
 template <class C, class Mods>
 __device__ __forceinline__ bool needs_mod_mask(const TileWork& w, FullRange full, int col0,
                                                int block) {
     if constexpr (!Mods::kMaskMod) return false;
+    else if constexpr (Mods::kBlockSparse && C::kWgSkip)   // grouped: partial at both ends
+        return block < w.sparse.n_partial || block >= w.sparse.n_blocks - w.n_trailing;
     else if constexpr (Mods::kBlockSparse) return block < w.sparse.n_partial;
     else if constexpr (Mods::kKvRange) return col0 < full.lo || col0 + C::kBlockN > full.hi;
     else return true;

@@ -18,6 +18,8 @@ namespace kg {
 struct TileWork {
     int head, batch, row0, q_rows, col_first, n_blocks;
     SparseRow sparse;
+    // wg_skip's grouped lists: the last n_trailing blocks of the visiting order are partial too.
+    int n_trailing = 0;
     // The first key column of the tile's i-th KV block in visiting order.
     __device__ __forceinline__ int col0(int i, int block_n) const {
         if (sparse.partial != nullptr) return sparse.block(i) * block_n;
@@ -41,6 +43,9 @@ __device__ __forceinline__ TileWork tile_work(const FwdArgs<typename C::Elem>& a
     const int q_rows = min(a.seqlen_q - row0, C::kBlockM);
     if constexpr (Mods::kBlockSparse) {
         const SparseRow sparse = mods.sparse_row(batch, head, m_block);
+        if constexpr (C::kWgSkip)
+            return TileWork{head, batch, row0, q_rows, 0, sparse.n_blocks, sparse,
+                            mods.sparse_groups(sparse).trail};
         return TileWork{head, batch, row0, q_rows, 0, sparse.n_blocks, sparse};
     }
     const KeyRange keys = kv_keys<C::kCausal>(mods, row0, q_rows, batch, head, a.seqlen_q,
@@ -55,8 +60,8 @@ __device__ __forceinline__ TileWork tile_work(const FwdArgs<typename C::Elem>& a
 // diagonal's blocks past the warpgroup's own rows, with 64-key blocks and 128-row tiles one per
 // tile for warpgroup 0, a tenth of the tensor work at 512 tokens; with a kv range the keys past
 // its rows' own range, documents: the next document's), and `trail`, its last (a kv range's
-// keys before its rows' range: the previous document's). None with a block mask, whose lists
-// are not contiguous. A warpgroup keeps one block at least (where its rows see no key: O = 0, as
+// keys before its rows' range: the previous document's). With a block mask none, whose lists
+// are not contiguous, unless they come grouped for the warpgroups (wg_skip). A warpgroup keeps one block at least (where its rows see no key: O = 0, as
 // without the skips); one of padding rows skips none (its per-token ranges would read past the
 // sequence). Lane 0's counts, so that ptxas sees the branches around the wgmma as warp-uniform
 // (else C7519: every wgmma serialized).
@@ -68,7 +73,16 @@ template <class C, class Mods>
 __device__ __forceinline__ SkippedBlocks skipped_blocks(const FwdArgs<typename C::Elem>& a,
                                                         const Mods& mods, const TileWork& w,
                                                         int wg_row0) {
-    if constexpr (Mods::kBlockSparse || (!C::kCausal && !Mods::kKvRange)) {  // (block lists)
+    if constexpr (Mods::kBlockSparse && C::kWgSkip) {
+        // The grouped lists' leading group is the leading warpgroup's to skip, the trailing
+        // group the other's (as many as the cap below allows: the rest it computes, masked).
+        const SparseGroups groups = mods.sparse_groups(w.sparse);
+        const bool leads = (wg_row0 - w.row0) / 64 == groups.lead_wg;
+        const int lead = min(leads ? groups.lead : 0, w.n_blocks - 1);
+        const int trail = leads ? 0 : min(groups.trail, min(w.n_blocks - 1, C::kStages - 1));
+        const int both = __shfl_sync(0xffffffffu, lead | (trail << 16), 0);
+        return SkippedBlocks{both & 0xffff, both >> 16};
+    } else if constexpr (Mods::kBlockSparse || (!C::kCausal && !Mods::kKvRange)) {  // (block lists)
         return SkippedBlocks{0, 0};
     } else {
         const int wg_rows = min(64, w.row0 + w.q_rows - wg_row0);
