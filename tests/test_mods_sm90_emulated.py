@@ -272,6 +272,24 @@ def test_document_mask_warpgroup_skips(causal, cfg):
     assert torch.all(lse[1, :, 280:] == float("-inf"))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(17, 33), (130, 77), (77, 130)])
+def test_document_mask_warpgroup_skips_ragged(causal, seqlen_q, seqlen_k):
+    """wg_skip on shapes that end inside a warpgroup's rows or a block (tools/ragged.py
+    --wg-skip's, which compute-sanitizer runs on the GPU): documents of 29 tokens."""
+    batch, heads = 2, 2
+    q, k, v = qkv(batch, seqlen_q, seqlen_k, heads, heads, 64)
+    doc_k = (torch.arange(seqlen_k, dtype=torch.int32) // 29).expand(batch, -1).contiguous()
+    doc_q = (torch.arange(seqlen_q, dtype=torch.int32) // 29).expand(batch, -1).contiguous()
+    same = (doc_q[:, :, None] == doc_k[:, None, :])[:, None]
+    spec, cfg = onto("flash_attn_document"), config(128, 64, schedule=1, persistent=2, wg_skip=1)
+    lists = blockmask.from_dense(spec, same, causal, batch=batch).kernel_args(128, 64, grouped=True)
+    check(q, k, v, causal, config=cfg, seed=seqlen_q, lazy=causal, spec=spec,
+          mod_args={"doc_q": doc_q, "doc_k": doc_k,
+                    **dict(zip((a.name for a in spec.mods.block_args), lists))},
+          mask_mod=lambda *_: same)
+
+
 @pytest.mark.parametrize("prefix, cfg", [
     (0, config(persistent=0)),
     (37, config(persistent=1)),
