@@ -61,10 +61,11 @@ __device__ __forceinline__ TileWork tile_work(const FwdArgs<typename C::Elem>& a
 // tile for warpgroup 0, a tenth of the tensor work at 512 tokens; with a kv range the keys past
 // its rows' own range, documents: the next document's), and `trail`, its last (a kv range's
 // keys before its rows' range: the previous document's). With a block mask none, whose lists
-// are not contiguous, unless they come grouped for the warpgroups (wg_skip). A warpgroup keeps one block at least (where its rows see no key: O = 0, as
-// without the skips); one of padding rows skips none (its per-token ranges would read past the
-// sequence). Lane 0's counts, so that ptxas sees the branches around the wgmma as warp-uniform
-// (else C7519: every wgmma serialized).
+// are not contiguous, unless they come grouped for the warpgroups (wg_skip). A warpgroup keeps
+// one block at least (where its rows see no key: O = 0, as without the skips); one of padding
+// rows skips none (its per-token ranges would read past the sequence). Lane 0's counts, so
+// that ptxas sees the branches around the wgmma as warp-uniform (else C7519: every wgmma
+// serialized).
 struct SkippedBlocks {
     int lead, trail;
 };
