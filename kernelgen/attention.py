@@ -118,8 +118,7 @@ class AttentionKernel:
         if out.numel():
             extra = _launch_values(values)
             if block_mask is not None:
-                extra += _launch_values(block_mask.kernel_args(bound.config["block_m"],
-                                                               bound.config["block_n"]))
+                extra += _launch_values(block_mask.forward_args(bound.config.as_dict()))
             scalars = {"batch": batch, "heads": heads, "heads_k": k.shape[2],
                        "seqlen_q": seqlen_q, "seqlen_k": k.shape[1]}
             args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),

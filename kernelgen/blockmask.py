@@ -228,6 +228,13 @@ class BlockMask:
         stride_b = heads * rows if tensors[1].shape[0] > 1 else 0
         return (*tensors, stride_b, stride_h, width)
 
+    def forward_args(self, config: dict) -> tuple:
+        """kernel_args for a forward kernel's config (a dict): its tile's lists, grouped for the
+        warpgroups where it has wg_skip (a kernel without the key must not get those: it would
+        run their trailing group unmasked)."""
+        return self.kernel_args(config["block_m"], config["block_n"],
+                                grouped=bool(config.get("wg_skip", 0)))
+
     def check(self, spec: KernelSpec, causal: bool, batch: int, heads: int, seqlen_q: int,
               seqlen_k: int, device) -> None:
         """A clear error, before any launch, when this mask was built for another problem."""

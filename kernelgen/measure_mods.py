@@ -130,9 +130,7 @@ class ForwardWorkload(measure.Workload):
 
     def launcher(self, kernel: api.BoundKernel):
         if self.block_mask is not None:   # the lists at this config's tile
-            config = kernel.config.as_dict()   # wg_skip: the lists grouped for its warpgroups
-            lists = self.block_mask.kernel_args(config["block_m"], config["block_n"],
-                                                grouped=bool(config.get("wg_skip", 0)))
+            lists = self.block_mask.forward_args(kernel.config.as_dict())
             self.values.update(zip((a.name for a in self.block_args), _pointers(lists)))
         return super().launcher(kernel)
 

@@ -123,6 +123,15 @@ def test_kernel_args_strides_by_batch_and_head():
     # One set of lists per tile size, built once.
     assert per_batch.lists(16, 32) is per_batch.lists(16, 32)
     assert per_batch.lists(32, 32) is not per_batch.lists(16, 32)
+    # A forward config's lists: grouped for the warpgroups exactly where it has wg_skip.
+    tall = blockmask.from_dense(spec, torch.rand(1, 1, 300, 200) > 0.5, False)
+    config = {"block_m": 128, "block_n": 64}
+    for wg_skip, grouped in ((0, False), (1, True)):
+        got = tall.forward_args({**config, "wg_skip": wg_skip})
+        want = tall.kernel_args(128, 64, grouped=grouped)
+        assert all(a is b for a, b in zip(got[:4], want[:4])) and got[4:] == want[4:]
+    assert tall.forward_args(config)[1] is tall.kernel_args(128, 64)[1]   # (sm80: no wg_skip)
+    assert tall.forward_args({**config, "wg_skip": 1})[1].shape[-1] == 4 + 2
 
 
 def test_a_mask_of_another_problem_is_refused_naming_the_argument():
