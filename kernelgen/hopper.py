@@ -35,7 +35,7 @@ def kv_box_panels(env) -> int | None:
 
 def tensor_maps(kernel, q, k, v) -> tuple:
     """The map layouts of Q, K, V and O for `kernel`'s tiles (Q's boxes by q_box); O's only
-    where the config stores it by TMA (q_buffers 2), for the output every caller makes
+    where the config stores it by TMA (q_buffers 2 or 3), for the output every caller makes
     (torch.empty(q.shape): contiguous); all-zero maps where unused, and all four when K/V are
     empty (no CTA loads or stores then)."""
     if not k.shape[1]:

@@ -185,6 +185,22 @@ CASES = [
     (64, torch.bfloat16, True, (1, 250, 400, 3, 1),
      {"block_m": 192, "block_n": 112, "stages": 3, "schedule": 1, "persistent": 2, "q_buffers": 2,
       "sum_mma": 1}, True),
+    # Three Q buffers: tile t+2's Q in tile t-1's buffer. Causal tiles of 1-5 blocks (the
+    # producer runs up to two tiles ahead in Q), both persistent loops, two and three consumers,
+    # 64B swizzle, GQA, ragged last tiles, half_diag; eager timing catches a buffer reloaded
+    # before its store read it, lazy a Q read before it landed.
+    (64, torch.bfloat16, True, (2, 520, 520, 2, 1),
+     {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2, "q_buffers": 3,
+      "half_diag": 1}, False),
+    (128, torch.float16, True, (1, 600, 600, 3, 1),
+     {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 3},
+     True),
+    (96, torch.bfloat16, False, (2, 290, 200, 2, 2),
+     {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 3},
+     True),
+    (128, torch.bfloat16, False, (2, 300, 200, 2, 1),
+     {"block_m": 128, "block_n": 64, "stages": 3, "schedule": 2, "persistent": 1, "q_buffers": 3},
+     False),
     # q_split: each consumer warpgroup's rows of Q on their own barriers, a box per panel:
     # persistent (the rows go back after each tile), 2 and 3 consumers, 64B swizzle (three
     # panels), the plain schedule, a CTA per tile, and the dynamic schedule.

@@ -81,6 +81,11 @@ CONFIGS = [
     (64, {"block_m": 192, "block_n": 96, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 2}),
     (96, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 1, "q_buffers": 2}),
     (192, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 1, "persistent": 1, "q_buffers": 2}),
+    # Three Q buffers (tile t+2's Q in tile t-1's buffer): static and dynamic, both overlapped
+    # schedules, 2 and 3 consumers, 64B swizzle.
+    (64, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2, "q_buffers": 3}),
+    (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 3}),
+    (96, {"block_m": 192, "block_n": 64, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 3}),
     # Dynamic (persistent 2): tiles claimed from the counter by 132 CTAs at once, each schedule,
     # 2 and 3 consumers, one and two Q buffers.
     (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 2}),
@@ -141,6 +146,8 @@ CONFIGS = [
 ]
 # carry_qk with half_diag (causal only): the carried S is the whole diagonal block's.
 CAUSAL_CONFIGS = [
+    (64, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2, "q_buffers": 3,
+          "half_diag": 1}),
     (64, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2, "q_buffers": 2,
           "half_diag": 1, "carry_qk": 1}),
     (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 2,
@@ -173,6 +180,30 @@ def check_config(monkeypatch, head_dim, config, causal, dtype):
         k = make(batch, seqlen_k, heads_k, head_dim, dtype)
         v = make(batch, seqlen_k, heads_k, head_dim, dtype)
         check(q, k, v, causal)
+
+
+# Persistent configs on a problem of many tiles per CTA (check_config's shapes give each of
+# the 132 CTAs one tile at most): 4 x 16 heads x 8 query tiles of a 1000-row sequence, ragged,
+# GQA 4, so every Q buffer is handed back and reloaded several times (causal: tiles of one to
+# eight blocks, the short ones where a third buffer matters).
+MANY_TILES_CONFIGS = [
+    (64, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2, "q_buffers": 3}),
+    (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 3}),
+    (96, {"block_m": 192, "block_n": 64, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 3}),
+    (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 2}),
+]
+
+
+@pytest.mark.parametrize("head_dim, config", MANY_TILES_CONFIGS,
+                         ids=[f"hd{d}-{'_'.join(f'{k}{v}' for k, v in c.items())}"
+                              for d, c in MANY_TILES_CONFIGS])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_many_tiles_per_cta(monkeypatch, head_dim, config, causal):
+    route_check_to_sm90(monkeypatch, config)
+    torch.manual_seed(head_dim + config["q_buffers"])
+    q = make(4, 1000, 16, head_dim, torch.bfloat16)
+    k, v = (make(4, 1000, 4, head_dim, torch.bfloat16) for _ in range(2))
+    check(q, k, v, causal)
 
 
 # Clusters of two CTAs sharing K and V by multicast (non-causal only): the shapes give one query

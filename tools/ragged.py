@@ -9,7 +9,9 @@ given (default all): the short run for a change to how the kernels evaluate a ma
 --carry: only the Hopper forward's carry_qk and q_prefetch configs (CARRY, PREFETCH: static and
 dynamic, both masks).
 --wg-skip: only the Hopper forward's document masks with wg_skip (WG_SKIP: grouped block lists,
-each warpgroup skipping the blocks its 64 rows do not see)."""
+each warpgroup skipping the blocks its 64 rows do not see).
+--q-buffers: only the Hopper forward's three-Q-buffer configs (Q_BUFFERS_3), on the ragged shapes
+and on one of many tiles per CTA."""
 import argparse
 
 import torch
@@ -50,6 +52,12 @@ PV_WAIT = ({**DYNAMIC, "pv_wait": 1}, {**DYNAMIC_WIDE, "persistent": 0, "rescale
 WG_SKIP = ({**DYNAMIC, "schedule": 1, "wg_skip": 1},
            {**DYNAMIC, "persistent": 1, "q_buffers": 1, "stages": 3, "wg_skip": 1})
 
+# Three Q buffers (tile t+2's Q in tile t-1's buffer): dynamic overlap, static pingpong, three
+# consumers; head dims up to 128 (wider Q tiles leave no room for three).
+Q_BUFFERS_3 = ({**DYNAMIC, "block_n": 128, "schedule": 1, "q_buffers": 3},
+               {**DYNAMIC, "persistent": 1, "q_buffers": 3},
+               {**DYNAMIC, "block_m": 192, "q_buffers": 3})
+
 
 def within_rule(out, ref, pt):
     """FlashAttention's rule: at most twice PyTorch's error in the input dtype, plus rounding."""
@@ -72,6 +80,8 @@ parser.add_argument("--causal-keys", action="store_true",
                     help="only the Hopper forward's grid_order and half_diag configs (causal)")
 parser.add_argument("--wg-skip", action="store_true",
                     help="only the Hopper forward's document masks with wg_skip")
+parser.add_argument("--q-buffers", action="store_true",
+                    help="only the Hopper forward's three-Q-buffer configs")
 parser.add_argument("--carry", action="store_true",
                     help="only the Hopper forward's carry_qk, q_prefetch and pv_wait configs")
 opts = parser.parse_args()
@@ -202,6 +212,27 @@ def check_wg_skip():
                                config, seqlen_q, seqlen_k, size)
 
 
+def check_q_buffers():
+    """Q_BUFFERS_3 on the ragged shapes (a CTA has a tile or two there) and on 4 x 1000 tokens
+    x 16 heads (GQA 4; 256 to 384 tiles over the SMs: each buffer handed back and reloaded)."""
+    many = (4, 1000, 16, 4)
+    for head_dim in (64, 96, 128):
+        for causal in (False, True):
+            torch.manual_seed(head_dim)
+            batch, seqlen, heads, heads_k = many
+            q, k, v = (torch.randn(batch, seqlen, h, head_dim, device="cuda", dtype=torch.float16)
+                       for h in (heads, heads_k, heads_k))
+            big = (q, k, v, attention_ref(q, k, v, causal)[0],
+                   attention_ref(q, k, v, causal, upcast=False)[0], seqlen, seqlen)
+            for q, k, v, ref, pt, seqlen_q, seqlen_k in (*ragged_problems(head_dim, causal), big):
+                for config in Q_BUFFERS_3:
+                    out, _ = flash_attn_forward_sm90(q, k, v, causal, config=config)
+                    report(within_rule(out, ref, pt), "fwd q_buffers 3", head_dim, causal,
+                           config, seqlen_q, seqlen_k)
+
+
+if opts.q_buffers:
+    short_run("q_buffers", check_q_buffers)
 if opts.wg_skip:
     short_run("wg_skip", check_wg_skip)
 if opts.causal_keys:

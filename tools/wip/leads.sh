@@ -73,4 +73,8 @@ for lead in ${LEADS:-sched rescale bn pers}; do case $lead in
   # wg_skip (PERF_NOTES §81): each warpgroup skips the document blocks its 64 rows do not see
   wgskip)  run wgskip --mod document --causal both --head-dims 64 128 --seqlens 2048 4096 8192 --rounds 5 \
              --alts '{"wg_skip": 1}' '{"wg_skip": 1, "block_n": 64}' ;;
+  # q_buffers 3 (PERF_NOTES §82): the next tile's Q no longer waits for the buffer whose O the
+  # previous tile's store still reads; short tiles (causal 512-1k), with 3 stages for the first K
+  q3)      run q3 --causal both --head-dims 64 128 --seqlens 512 1024 2048 --rounds 5 \
+             --alts '{"q_buffers": 3}' '{"q_buffers": 3, "stages": 3}' ;;
 esac; done

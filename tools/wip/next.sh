@@ -13,6 +13,8 @@
 #   bash tools/wip/next.sh hd64c   # <= 9 min: hd64 causal 512/1k tuned (192 x 128 in the search)
 #   bash tools/wip/next.sh wgskip  # ~3 min: wg_skip on the document mask (PERF_NOTES §81)
 #   bash tools/wip/next.sh wgcheck # <= 4 min: memcheck of wg_skip's document kernels, ragged shapes
+#   bash tools/wip/next.sh q3      # ~5 min: q_buffers 3 against the shipped configs (PERF_NOTES §82)
+#   bash tools/wip/next.sh q3check # <= 4 min: memcheck of q_buffers 3, ragged shapes and many tiles
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
@@ -31,6 +33,8 @@ case $1 in
            GRID_ARGS="--head-dims 64 --causal true --seqlens 512;--head-dims 64 --causal true --seqlens 1024" \
            bash tools/h200_run.sh 2>&1 | tail -20 ;;
   wgskip) LEADS=wgskip LEAD_T=240 bash tools/wip/leads.sh 2>&1 | tee "$OUT/wgskip.txt" | tail -30 ;;
+  q3) LEADS=q3 LEAD_T=300 bash tools/wip/leads.sh 2>&1 | tee "$OUT/q3.txt" | tail -30 ;;
+  q3check) STEPS=memcheck T_memcheck=240 RAGGED_ARGS=--q-buffers bash tools/h200_run.sh 2>&1 | tail -4 ;;
   wgcheck) STEPS=memcheck T_memcheck=300 RAGGED_ARGS=--wg-skip bash tools/h200_run.sh 2>&1 | tail -4 ;;
   stalls) STEPS=ncusrc T_ncusrc=120 NCU_CASES="flash_attn_fwd_sm90@--head-dim 128 --seqlen 1024;flash_attn_fwd_sm90@--head-dim 128 --seqlen 8192;flash_attn_fwd_sm90@--head-dim 64 --seqlen 512 --causal" \
            bash tools/h200_run.sh 2>&1 | tee "$OUT/stalls.txt" | tail -120 ;;
@@ -43,5 +47,5 @@ case $1 in
          LEADS="pv pv64" LEAD_T=290 bash tools/wip/leads.sh 2>&1 | tee "$OUT/pv.txt" | tail -50 ;;
   pvmods) LEADS=pvmods LEAD_T=60 bash tools/wip/leads.sh 2>&1 | tee "$OUT/pvmods.txt" | tail -40 ;;
   pvrest) LEADS=pvrest LEAD_T=280 bash tools/wip/leads.sh 2>&1 | tee "$OUT/pvrest.txt" | tail -60 ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck"; exit 2 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check"; exit 2 ;;
 esac

@@ -29,6 +29,9 @@
 // epilogue stages O in its own Q buffer and one thread per consumer warpgroup stores it with TMA
 // (the O map), and that thread hands the buffer back (empty_q) only once the store has read it,
 // which it waits for after tile t+1's first block: the store overlaps tile t+1's first GEMMs.
+// So with two buffers tile t+2's Q can load only once tile t+1's first block is done: a tile of
+// one or two blocks leaves it too little time to land. Q_BUFFERS 3: tile t+2 takes tile t-1's
+// buffer, handed back during tile t, so the producer loads it as soon as its ring lets it.
 // PERSISTENT 2 (dynamic): the same loop, but after its first tile (blockIdx.x) a CTA claims the
 // next one from a global counter when its producer gets to it (TileQueue), so CTAs that drew
 // short tiles take more of them: the hardware's balance of a grid per tile, with the persistent

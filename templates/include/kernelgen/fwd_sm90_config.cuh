@@ -48,7 +48,7 @@ struct Sm90Config {
     static constexpr bool kPersistent = PERSISTENT > 0;  // loop over tiles (TileSchedule)
     static constexpr bool kDynamic = PERSISTENT == 2;    // ... claimed from a counter (TileQueue)
     static constexpr int kQBuffers = Q_BUFFERS;        // Q tiles used in turn by successive tiles
-    static constexpr bool kTmaStore = Q_BUFFERS == 2;  // O stored from its Q buffer by TMA
+    static constexpr bool kTmaStore = Q_BUFFERS >= 2;  // O stored from its Q buffer by TMA
     // The row sums of P from the P V wgmma: N = HEAD_DIM + 8, B's last 8 columns read a panel of
     // ones (kOffOnes), so accumulators kHeadDim / 2 .. + 3 hold each row's sum, rescaled with O.
     static constexpr bool kSumMma = SUM_MMA != 0;
@@ -126,8 +126,8 @@ struct Sm90Config {
     static_assert(!kSumMma || HEAD_DIM == 64, "sum_mma: the ones are the panel after V's one");
     static_assert(SCHEDULE >= 0 && SCHEDULE <= 2, "plain, overlapped, overlapped + pingpong");
     static_assert(PERSISTENT >= 0 && PERSISTENT <= 2, "a CTA per tile, static or dynamic loop");
-    static_assert(Q_BUFFERS == 1 || (Q_BUFFERS == 2 && PERSISTENT),
-                  "a second Q buffer serves the next tile of a persistent CTA");
+    static_assert(Q_BUFFERS == 1 || ((Q_BUFFERS == 2 || Q_BUFFERS == 3) && PERSISTENT),
+                  "more Q buffers serve the next tiles of a persistent CTA");
     static_assert(!kRescaleEarly || SCHEDULE > 0, "rescale 1: a QK^T in flight to hide behind");
     static_assert(!kQSplit || Q_BUFFERS == 1, "q_split: the rows of the one Q buffer");
     static_assert(!kCarryQk || (PERSISTENT && Q_BUFFERS == 2 && SCHEDULE > 0 &&
