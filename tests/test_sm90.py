@@ -231,6 +231,10 @@ OTHER_CONFIGS = [  # (head_dim, causal, config)
     # Three Q buffers: hd128 with 2 stages of 128 keys (225 KiB, near the limit), dynamic.
     (128, True, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2,
                  "q_buffers": 3}),
+    # O stored from the accumulators, Q's rows back after the last S (o_direct): hd256 causal
+    # 4k's entry with the key.
+    (256, True, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 2, "persistent": 1,
+                 "o_direct": 1}),
     # The row sums from the tensor cores: P V with N = 72 (sum_mma).
     (64, False, {"block_m": 192, "block_n": 144, "stages": 2, "schedule": 0, "persistent": 0,
                  "sum_mma": 1}),

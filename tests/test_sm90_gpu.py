@@ -86,6 +86,10 @@ CONFIGS = [
     (64, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2, "q_buffers": 3}),
     (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 3}),
     (96, {"block_m": 192, "block_n": 64, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 3}),
+    # o_direct (O stored from the accumulators; Q's rows back after the last S): split and whole.
+    (256, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 2, "persistent": 1, "q_split": 1,
+           "o_direct": 1}),
+    (96, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2, "o_direct": 1}),
     # Dynamic (persistent 2): tiles claimed from the counter by 132 CTAs at once, each schedule,
     # 2 and 3 consumers, one and two Q buffers.
     (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 2}),
@@ -191,6 +195,14 @@ MANY_TILES_CONFIGS = [
     (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 3}),
     (96, {"block_m": 192, "block_n": 64, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 3}),
     (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 2}),
+    # o_direct (O from the accumulators, each warpgroup's rows of Q back after its last S): the
+    # head dims it is for, split and whole Q, static and dynamic, with q_prefetch.
+    (256, {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2, "persistent": 1, "rescale": 1,
+           "q_split": 1, "o_direct": 1}),
+    (192, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 1, "persistent": 2, "o_direct": 1}),
+    (256, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 1, "persistent": 1, "rescale": 1,
+           "q_split": 1, "q_prefetch": 1, "o_direct": 1}),
+    (64, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 2, "o_direct": 1}),
 ]
 
 
@@ -200,7 +212,7 @@ MANY_TILES_CONFIGS = [
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_many_tiles_per_cta(monkeypatch, head_dim, config, causal):
     route_check_to_sm90(monkeypatch, config)
-    torch.manual_seed(head_dim + config["q_buffers"])
+    torch.manual_seed(head_dim + config.get("q_buffers", 1))
     q = make(4, 1000, 16, head_dim, torch.bfloat16)
     k, v = (make(4, 1000, 4, head_dim, torch.bfloat16) for _ in range(2))
     check(q, k, v, causal)

@@ -14,7 +14,9 @@
 #   bash tools/wip/next.sh wgskip  # ~3 min: wg_skip on the document mask (PERF_NOTES §81)
 #   bash tools/wip/next.sh wgcheck # <= 4 min: memcheck of wg_skip's document kernels, ragged shapes
 #   bash tools/wip/next.sh q3      # ~5 min: q_buffers 3 against the shipped configs (PERF_NOTES §82)
-#   bash tools/wip/next.sh q3check # <= 4 min: memcheck of q_buffers 3, ragged shapes and many tiles
+#   bash tools/wip/next.sh q3check # <= 6 min: memcheck of q_buffers 3 and o_direct, ragged shapes and many tiles
+#   bash tools/wip/next.sh stalls256 # ~1 min: PC sampling of hd256 512 / causal 1k (o_direct's premise)
+#   bash tools/wip/next.sh od      # ~5 min: o_direct against the shipped hd192/256 configs (PERF_NOTES §83)
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
@@ -34,8 +36,12 @@ case $1 in
            bash tools/h200_run.sh 2>&1 | tail -20 ;;
   wgskip) LEADS=wgskip LEAD_T=240 bash tools/wip/leads.sh 2>&1 | tee "$OUT/wgskip.txt" | tail -30 ;;
   q3) LEADS=q3 LEAD_T=300 bash tools/wip/leads.sh 2>&1 | tee "$OUT/q3.txt" | tail -30 ;;
-  q3check) STEPS=memcheck T_memcheck=240 RAGGED_ARGS=--q-buffers bash tools/h200_run.sh 2>&1 | tail -4 ;;
+  od) LEADS=od LEAD_T=300 bash tools/wip/leads.sh 2>&1 | tee "$OUT/od.txt" | tail -30 ;;
+  q3check) STEPS=memcheck T_memcheck=360 RAGGED_ARGS=--q-buffers bash tools/h200_run.sh 2>&1 | tail -4 ;;
   wgcheck) STEPS=memcheck T_memcheck=300 RAGGED_ARGS=--wg-skip bash tools/h200_run.sh 2>&1 | tail -4 ;;
+  stalls256) # where hd256's short tiles wait (o_direct's premise: the next Q after the epilogue)
+         STEPS=ncusrc T_ncusrc=120 NCU_CASES="flash_attn_fwd_sm90@--head-dim 256 --seqlen 512;flash_attn_fwd_sm90@--head-dim 256 --seqlen 1024 --causal" \
+           bash tools/h200_run.sh 2>&1 | tee "$OUT/stalls256.txt" | tail -80 ;;
   stalls) STEPS=ncusrc T_ncusrc=120 NCU_CASES="flash_attn_fwd_sm90@--head-dim 128 --seqlen 1024;flash_attn_fwd_sm90@--head-dim 128 --seqlen 8192;flash_attn_fwd_sm90@--head-dim 64 --seqlen 512 --causal" \
            bash tools/h200_run.sh 2>&1 | tee "$OUT/stalls.txt" | tail -120 ;;
   carry) # compute-sanitizer memcheck of session 26's keys on ragged shapes (their numerics and
@@ -47,5 +53,5 @@ case $1 in
          LEADS="pv pv64" LEAD_T=290 bash tools/wip/leads.sh 2>&1 | tee "$OUT/pv.txt" | tail -50 ;;
   pvmods) LEADS=pvmods LEAD_T=60 bash tools/wip/leads.sh 2>&1 | tee "$OUT/pvmods.txt" | tail -40 ;;
   pvrest) LEADS=pvrest LEAD_T=280 bash tools/wip/leads.sh 2>&1 | tee "$OUT/pvrest.txt" | tail -60 ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check"; exit 2 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|od|stalls256"; exit 2 ;;
 esac
