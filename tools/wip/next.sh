@@ -2,6 +2,7 @@
 # The next device session's plan (tools/wip/README.md), one stage per device call, logs under
 # $OUT; each stage prints a short table last.
 #   bash tools/wip/next.sh suite   # ~7.5 min: the whole GPU suite on HEAD
+#   bash tools/wip/next.sh newtests # ~3 min: the GPU tests of wg_skip, q_buffers 3 and o_direct only
 #   bash tools/wip/next.sh grid    # ~4 min: the forward grid against cuDNN (after a winner ships)
 #   HD=256 bash tools/wip/next.sh retune  # <= 9 min: hd256 (then HD=192) causal 2k-16k tuned, grid_order searched
 #   bash tools/wip/next.sh stalls  # ~3 min: PC sampling of short against long tiles (PERF_NOTES §73)
@@ -24,6 +25,11 @@ mkdir -p "$OUT"
 cd "$R" || exit 1
 case $1 in
   suite) STEPS=all T_all=540 bash tools/h200_run.sh 2>&1 | tail -6 ;;
+  newtests) # ~3 min: only the GPU tests of the keys no GPU has run (wg_skip, q_buffers 3, o_direct)
+         timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 \
+           tests/test_sm90_gpu.py tests/test_blockmask_gpu.py tests/test_mods_sm90_gpu.py \
+           -k "q_buffers3 or o_direct1 or many_tiles or classify or document_mask or document_forward" 2>&1 \
+           | tee "$OUT/newtests.log" | tail -8 ;;
   grid)  PYTHONPATH=. timeout 500 python3 -m kernelgen.cli bench --pass fwd --systems kernelgen sdpa_cudnn \
            --out "$OUT" 2>&1 | tee "$OUT/grid.txt" | tail -30 ;;
   retune) # HD=256 (80 configs a shape) or HD=192 (216): one call each, under 9 minutes
@@ -53,5 +59,5 @@ case $1 in
          LEADS="pv pv64" LEAD_T=290 bash tools/wip/leads.sh 2>&1 | tee "$OUT/pv.txt" | tail -50 ;;
   pvmods) LEADS=pvmods LEAD_T=60 bash tools/wip/leads.sh 2>&1 | tee "$OUT/pvmods.txt" | tail -40 ;;
   pvrest) LEADS=pvrest LEAD_T=280 bash tools/wip/leads.sh 2>&1 | tee "$OUT/pvrest.txt" | tail -60 ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|od|stalls256"; exit 2 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|od|stalls256|newtests"; exit 2 ;;
 esac
