@@ -203,6 +203,8 @@ MANY_TILES_CONFIGS = [
     (256, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 1, "persistent": 1, "rescale": 1,
            "q_split": 1, "q_prefetch": 1, "o_direct": 1}),
     (64, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 2, "o_direct": 1}),
+    (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2, "q_buffers": 2,
+           "o_direct": 1}),   # two Q buffers, no TMA store
 ]
 
 

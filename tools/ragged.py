@@ -62,6 +62,7 @@ Q_BUFFERS_3 = ({**DYNAMIC, "block_n": 128, "schedule": 1, "q_buffers": 3},
 # overlap schedule.
 O_DIRECT = ({**DYNAMIC_WIDE, "persistent": 1, "schedule": 2, "q_split": 1, "o_direct": 1},
             {**DYNAMIC_WIDE, "o_direct": 1})
+O_DIRECT_2 = {**DYNAMIC, "o_direct": 1}   # with two Q buffers (head dims up to 128): no TMA store
 
 
 def within_rule(out, ref, pt):
@@ -224,7 +225,7 @@ def check_q_buffers():
     many = (4, 1000, 16, 4)
     for head_dim in (64, 96, 128, 192, 256):
         # (the split one at the head dims it is for: at 64-128 causal it spills 20 bytes, key or not)
-        configs = Q_BUFFERS_3 + O_DIRECT[1:] if head_dim <= 128 else O_DIRECT
+        configs = Q_BUFFERS_3 + O_DIRECT[1:] + (O_DIRECT_2,) if head_dim <= 128 else O_DIRECT
         for causal in (False, True):
             torch.manual_seed(head_dim)
             batch, seqlen, heads, heads_k = many

@@ -5,8 +5,9 @@
 //   LSE[b, h, i]  = logsumexp_j(scale * Q[b, i, h, :] . K[b, j, ...])      (natural log, fp32)
 //   causal: query i sees keys j <= i + seqlen_k - seqlen_q (bottom-right aligned).
 // Q, K, V are read through the tensor maps (the pointers and their strides are for the host);
-// O is written through tmap_o with q_buffers 2 or 3 (TMA stores), through `o` otherwise. tile_counter:
-// the dynamic schedule's (persistent 2) claim counter, zero at launch; unread by other configs.
+// O is written through tmap_o with q_buffers 2 or 3 (TMA stores; not with o_direct), through `o`
+// otherwise. tile_counter: the dynamic schedule's (persistent 2) claim counter, zero at launch;
+// unread by other configs.
 // A spec's mods (score_mod, mask_mod, kv_range; their arguments follow the tensor maps) are
 // applied as in the sm80 family; without mods the Mods struct below switches everything off.
 // Variant: head_dim=96 dtype=fp16 causal=false arch=sm_90a
