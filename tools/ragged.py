@@ -219,8 +219,8 @@ def check_wg_skip():
 
 
 def check_q_buffers():
-    """Q_BUFFERS_3 (head dims up to 128) and O_DIRECT on the ragged shapes (a CTA has a tile or
-    two there) and on 4 x 1000 tokens x 16 heads (GQA 4; 256 to 384 tiles over the SMs: each
+    """Q_BUFFERS_3 and O_DIRECT_2 (head dims up to 128) and O_DIRECT on the ragged shapes (a CTA
+    has a tile or two there) and on 4 x 1000 tokens x 16 heads (GQA 4; 256 to 384 tiles over the SMs: each
     buffer handed back and reloaded)."""
     many = (4, 1000, 16, 4)
     for head_dim in (64, 96, 128, 192, 256):
