@@ -356,15 +356,25 @@ def _from_shipped(spec, variant, key: tunedb.Key) -> Config | None:
     identity = key.identity
     table = _shipped_table()
     entries = None
-    for candidate in (variant, _dtype_sibling(spec, variant)):
-        if candidate is not None and not entries:
-            entries = table.get((spec.name, candidate.slug, candidate.arch, identity.gpu,
-                                 identity.capability, identity.sm_count))
+    for gpu in (identity.gpu, *_same_chip(table, identity)):
+        for candidate in (variant, _dtype_sibling(spec, variant)):
+            if candidate is not None and not entries:
+                entries = table.get((spec.name, candidate.slug, candidate.arch, gpu,
+                                     identity.capability, identity.sm_count))
     if not entries:
         return None
     wanted = Bucket.from_slug(key.bucket)
     _, config = min(entries, key=lambda entry: entry[0].distance(wanted))
     return _usable(spec, variant, config, str(DEFAULTS_PATH))
+
+
+def _same_chip(table: dict, identity: tunedb.Identity) -> list[str]:
+    """The other GPUs of the table with this one's capability and SM count, by name: a GPU we never
+    measured borrows their tuning (H100 SXM and H200 are one chip, 132 SMs, with different memory;
+    attention's forward is bound by the SMs, so their best tiles agree far more often than the
+    untuned heuristic does). An exact name match always comes first."""
+    return sorted({where[3] for where in table
+                   if where[3] != identity.gpu and where[4:] == (identity.capability, identity.sm_count)})
 
 
 _SIBLING_DTYPES = {"fp16": "bf16", "bf16": "fp16"}

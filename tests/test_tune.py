@@ -317,10 +317,11 @@ def record(spec, variant, config: Config, problem: Problem = PROBLEM, identity: 
     TuneDB().record(key, problem.as_dict(), config, 1.0, [tunedb.TrialRow(config, "ok", 1.0, 1.0, 10)])
 
 
-def ship(path, spec, variant, config: Config, bucket: str, gpu: str = FAKE_GPU.gpu) -> None:
+def ship(path, spec, variant, config: Config, bucket: str, gpu: str = FAKE_GPU.gpu,
+         sm_count: int = 132) -> None:
     doc = json.loads(path.read_text())
     doc["entries"].append({"spec": spec.name, "variant": variant.slug, "arch": variant.arch,
-                           "bucket": bucket, "gpu": gpu, "capability": "9.0", "sm_count": 132,
+                           "bucket": bucket, "gpu": gpu, "capability": "9.0", "sm_count": sm_count,
                            "config": config.as_dict()})
     path.write_text(json.dumps(doc))
     tune.clear_memo()
@@ -389,6 +390,17 @@ def test_shipped_defaults_nearest_bucket_and_same_gpu_only(fake_gpu, spec, varia
     assert tune.lookup(spec, variant, small, device=0) == cfg(64, 64)
     other = spec.variant("sm_90", head_dim=64, dtype="bf16", causal=False)
     assert tune.resolve(spec, other, PROBLEM, device=0).source == "heuristic"
+
+
+def test_a_gpu_not_in_the_table_borrows_the_same_chips_tuning(fake_gpu, spec, variant):
+    """An H100 SXM finds the H200's entries (same capability, same 132 SMs); a GPU with another SM
+    count does not, and the GPU's own entries always win."""
+    ship(fake_gpu, spec, variant, cfg(64, 32), PROBLEM.bucket().slug, gpu="Other GPU", sm_count=114)
+    assert tune.resolve(spec, variant, PROBLEM, device=0).source == "heuristic"
+    ship(fake_gpu, spec, variant, cfg(128, 64), PROBLEM.bucket().slug, gpu="Same chip GPU")
+    assert tune.resolve(spec, variant, PROBLEM, device=0) == tune.Choice(cfg(128, 64), "shipped")
+    ship(fake_gpu, spec, variant, cfg(64, 64), "q1024_k1024_bh256")       # its own, another bucket
+    assert tune.lookup(spec, variant, PROBLEM, device=0) == cfg(64, 64)
 
 
 def test_shipped_defaults_of_the_other_16_bit_dtype_stand_in(fake_gpu, spec, variant):

@@ -3,6 +3,11 @@
 spec, variant, arch, bucket and GPU is replaced, others are added.
 
     python tools/merge_defaults.py EXPORTED.json [...]
+    python tools/merge_defaults.py --as-gpu "NVIDIA H200" EXPORTED.json
+                                                      measured on another GPU of the same chip (an
+                                                      H100 SXM when no H200 was lent): the entries
+                                                      replace that GPU's and say where they were
+                                                      measured ("measured_on")
     python tools/merge_defaults.py --rehash SPEC      after an edit of SPEC that leaves its configs'
                                                       meaning alone (a comment, the grid's launch
                                                       order): its entries, those of mods specs put
@@ -23,6 +28,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("exports", nargs="*", type=Path)
     parser.add_argument("--rehash", metavar="SPEC", action="append", default=[])
+    parser.add_argument("--as-gpu", metavar="NAME")
     opts = parser.parse_args()
     shipped = json.loads(SHIPPED.read_text())
     entries = {tuple(e[k] for k in KEY): e for e in shipped["entries"]}
@@ -32,6 +38,8 @@ def main() -> None:
             raise SystemExit(f"{path}: format {doc.get('format')!r}, the shipped file has "
                              f"{shipped['format']!r}")
         for entry in doc["entries"]:
+            if opts.as_gpu and entry["gpu"] != opts.as_gpu:
+                entry = {**entry, "gpu": opts.as_gpu, "measured_on": entry["gpu"]}
             key = tuple(entry[k] for k in KEY)
             print(f"{'replaced' if key in entries else 'added':8s} {' '.join(map(str, key[:4]))}")
             entries[key] = entry
