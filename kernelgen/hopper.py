@@ -35,9 +35,9 @@ def kv_box_panels(env) -> int | None:
 
 def tensor_maps(kernel, q, k, v) -> tuple:
     """The map layouts of Q, K, V and O for `kernel`'s tiles (Q's boxes by q_box); O's only
-    where the config stores it by TMA (q_buffers 2 or 3 without o_direct), for the output every
-    caller makes (torch.empty(q.shape): contiguous); all-zero maps where unused, and all four
-    when K/V are empty (no CTA loads or stores then)."""
+    where the config stores it by TMA (q_buffers 2 or 3), for the output every caller makes
+    (torch.empty(q.shape): contiguous); all-zero maps where unused, and all four when K/V are
+    empty (no CTA loads or stores then)."""
     if not k.shape[1]:
         return (_EMPTY_MAP,) * 4
     env = kernel.spec.environment(kernel.variant, kernel.config)
@@ -47,7 +47,7 @@ def tensor_maps(kernel, q, k, v) -> tuple:
     maps = (tma.attention_map(q.shape, q.stride(), dtype, q_rows, swizzle, q_panels),
             *(tma.attention_map(t.shape, t.stride(), dtype, env["block_n"], swizzle, kv_panels)
               for t in (k, v)))
-    if env.get("q_buffers", 1) == 1 or env.get("o_direct", 0):
+    if env.get("q_buffers", 1) == 1:
         return maps + (_EMPTY_MAP,)
     batch, seqlen, heads, head_dim = q.shape
     contiguous = (seqlen * heads * head_dim, heads * head_dim, head_dim, 1)

@@ -94,15 +94,10 @@ def window_mask(left, right, seqlen_q, seqlen_k):
     ((70, 0), True, (1, 300, 430, 2, 2), config(persistent=2, kv_align=1), False),
     ((5, 3), True, (1, 260, 100, 1, 1), config(schedule=1, persistent=0, kv_align=1), True),
     ((70, 0), True, (1, 300, 300, 2, 2), config(128, 128, persistent=1, half_diag=1), False),
-    # o_direct: Q handed back after each warpgroup's last S, before its trailing skipped blocks
-    # (kv range: the previous blocks one warpgroup's rows do not see); tiles with no block.
-    ((40, 30), False, (2, 150, 400, 2, 1), config(persistent=2, o_direct=1), False),
-    ((0, 0), False, (1, 300, 130, 2, 2), config(schedule=1, persistent=1, o_direct=1), True),
 ], ids=["40-30-persistent", "70-0-causal", "0-0-empty-persistent", "5-3-causal-empty",
         "left-unbounded-schedule0", "0-0-empty-dynamic", "right-unbounded",
         "right-unbounded-causal-dynamic", "40-30-aligned", "70-0-causal-dynamic-aligned",
-        "5-3-causal-empty-aligned", "70-0-causal-half-diag", "40-30-o-direct-dynamic",
-        "0-0-empty-o-direct"])
+        "5-3-causal-empty-aligned", "70-0-causal-half-diag"])
 def test_sliding_window(window, causal, shape, cfg, empty_rows):
     batch, seqlen_q, seqlen_k, heads, heads_k = shape
     left, right = window

@@ -231,12 +231,6 @@ OTHER_CONFIGS = [  # (head_dim, causal, config)
     # Three Q buffers: hd128 with 2 stages of 128 keys (225 KiB, near the limit), dynamic.
     (128, True, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2,
                  "q_buffers": 3}),
-    # O stored from the accumulators, Q's rows back after the last S (o_direct): hd256 causal
-    # 4k's entry with the key.
-    (256, True, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 2, "persistent": 1,
-                 "o_direct": 1}),
-    (128, True, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2,
-                 "q_buffers": 2, "o_direct": 1}),   # ... with two Q buffers: no TMA store
     # The row sums from the tensor cores: P V with N = 72 (sum_mma).
     (64, False, {"block_m": 192, "block_n": 144, "stages": 2, "schedule": 0, "persistent": 0,
                  "sum_mma": 1}),
@@ -304,10 +298,9 @@ def test_sass_of_a_warp_specialized_wgmma_kernel(built, variant, config):
     assert code.count("UTMALDG.5D.MULTICAST") == (2 if clustered else 0)
     assert code.count("UCGABAR_WAIT") == (3 if clustered else 0)
     assert ("SYNCS.ARRIVE.TRANS64.RED" in code) == clustered
-    # q_buffers 2 or 3: O by TMA stores, one per panel of head_dim (a warpgroup's rows of a
-    # panel), unless o_direct stores it from registers.
+    # q_buffers 2 or 3: O by TMA stores, one per panel of head_dim (a warpgroup's rows of a panel).
     panels = variant["head_dim"] // (64 if variant["head_dim"] % 64 == 0 else 32)
-    assert found["UTMASTG"] == (panels if config["q_buffers"] >= 2 and not config["o_direct"] else 0)
+    assert found["UTMASTG"] == (panels if config["q_buffers"] >= 2 else 0)
     assert not sass.has_local_memory(code)
     assert (binary.spill_stores, binary.spill_loads, binary.stack_bytes) == (0, 0, 0)
     # ptxas found nothing to serialize: no wgmma.wait_group of its own (C7517) either.
@@ -422,9 +415,6 @@ def test_tensor_maps_follow_the_kernel_tiles_and_the_operand_strides():
     stored = hopper.tensor_maps(Kernel(128, 128, persistent=1, q_buffers=2), strided_q, kv, kv)[3]
     assert stored.box == (64, 64, 1, 1, 1) and stored.dims == (64, 100, 1, 8, 2)
     assert stored.strides == (8 * 64 * 2, 128, 64 * 2, 100 * 8 * 64 * 2)
-    # ... unless o_direct stores it from registers (no map to encode).
-    direct = Kernel(128, 128, persistent=1, schedule=2, q_buffers=2, o_direct=1)
-    assert hopper.tensor_maps(direct, strided_q, kv, kv)[3] == bytes(tma.MAP_BYTES)
     # q_split loads Q as each consumer warpgroup's 64 rows, a box per panel.
     split = hopper.tensor_maps(Kernel(192, 96, q_split=1), q, kv, kv)[0]
     assert split.box == (64, 64, 1, 1, 1) and split.strides == maps[0].strides

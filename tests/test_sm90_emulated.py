@@ -201,31 +201,6 @@ CASES = [
     (128, torch.bfloat16, False, (2, 300, 200, 2, 1),
      {"block_m": 128, "block_n": 64, "stages": 3, "schedule": 2, "persistent": 1, "q_buffers": 3},
      False),
-    # o_direct: O stored from the accumulators, each warpgroup's rows of Q handed back after its
-    # last block's S: split and whole Q, static and dynamic, both overlapped schedules, tiles of
-    # one block (the first block is the last), q_prefetch, ragged last tiles (rows past seqlen_q
-    # not stored). Eager TMA catches Q handed back before the last QK^T read it, lazy a read of
-    # the next Q before it landed.
-    (256, torch.bfloat16, False, (2, 290, 200, 2, 1),
-     {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2, "persistent": 1, "q_split": 1,
-      "rescale": 1, "o_direct": 1}, False),
-    (192, torch.bfloat16, True, (1, 550, 530, 3, 1),
-     {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 1, "persistent": 2, "o_direct": 1},
-     True),
-    (64, torch.float16, True, (2, 300, 300, 2, 2),
-     {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 2, "o_direct": 1},
-     False),
-    (128, torch.bfloat16, False, (1, 600, 130, 2, 2),
-     {"block_m": 192, "block_n": 64, "stages": 2, "schedule": 1, "persistent": 1, "q_split": 1,
-      "q_prefetch": 1, "o_direct": 1}, True),
-    # ... with two Q buffers (no TMA store: a buffer back after the tile's last S), short causal
-    # tiles, dynamic with half_diag and static pingpong.
-    (64, torch.bfloat16, True, (2, 520, 520, 2, 1),
-     {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2, "q_buffers": 2,
-      "half_diag": 1, "o_direct": 1}, False),
-    (128, torch.float16, True, (1, 600, 600, 3, 1),
-     {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 2,
-      "o_direct": 1}, True),
     # q_split: each consumer warpgroup's rows of Q on their own barriers, a box per panel:
     # persistent (the rows go back after each tile), 2 and 3 consumers, 64B swizzle (three
     # panels), the plain schedule, a CTA per tile, and the dynamic schedule.

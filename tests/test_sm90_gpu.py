@@ -86,10 +86,6 @@ CONFIGS = [
     (64, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2, "q_buffers": 3}),
     (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 3}),
     (96, {"block_m": 192, "block_n": 64, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 3}),
-    # o_direct (O stored from the accumulators; Q's rows back after the last S): split and whole.
-    (256, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 2, "persistent": 1, "q_split": 1,
-           "o_direct": 1}),
-    (96, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2, "o_direct": 1}),
     # Dynamic (persistent 2): tiles claimed from the counter by 132 CTAs at once, each schedule,
     # 2 and 3 consumers, one and two Q buffers.
     (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 2}),
@@ -195,16 +191,6 @@ MANY_TILES_CONFIGS = [
     (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 1, "q_buffers": 3}),
     (96, {"block_m": 192, "block_n": 64, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 3}),
     (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 2, "q_buffers": 2}),
-    # o_direct (O from the accumulators, each warpgroup's rows of Q back after its last S): the
-    # head dims it is for, split and whole Q, static and dynamic, with q_prefetch.
-    (256, {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 2, "persistent": 1, "rescale": 1,
-           "q_split": 1, "o_direct": 1}),
-    (192, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 1, "persistent": 2, "o_direct": 1}),
-    (256, {"block_m": 128, "block_n": 80, "stages": 2, "schedule": 1, "persistent": 1, "rescale": 1,
-           "q_split": 1, "q_prefetch": 1, "o_direct": 1}),
-    (64, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 2, "o_direct": 1}),
-    (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2, "q_buffers": 2,
-           "o_direct": 1}),   # two Q buffers, no TMA store
 ]
 
 

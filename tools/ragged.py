@@ -10,8 +10,8 @@ given (default all): the short run for a change to how the kernels evaluate a ma
 dynamic, both masks).
 --wg-skip: only the Hopper forward's document masks with wg_skip (WG_SKIP: grouped block lists,
 each warpgroup skipping the blocks its 64 rows do not see).
---q-buffers: only the Hopper forward's three-Q-buffer configs (Q_BUFFERS_3) and its o_direct ones
-(O_DIRECT: O stored from the accumulators), on the ragged shapes and on one of many tiles per CTA."""
+--q-buffers: only the Hopper forward's three-Q-buffer configs (Q_BUFFERS_3), on the ragged shapes
+and on one of many tiles per CTA."""
 import argparse
 
 import torch
@@ -57,12 +57,6 @@ WG_SKIP = ({**DYNAMIC, "schedule": 1, "wg_skip": 1},
 Q_BUFFERS_3 = ({**DYNAMIC, "block_n": 128, "schedule": 1, "q_buffers": 3},
                {**DYNAMIC, "persistent": 1, "q_buffers": 3},
                {**DYNAMIC, "block_m": 192, "q_buffers": 3})
-# O stored from the accumulators, each warpgroup's rows of Q handed back after its last S
-# (o_direct; one Q buffer): split at the wide head dims' static pingpong, whole on the dynamic
-# overlap schedule.
-O_DIRECT = ({**DYNAMIC_WIDE, "persistent": 1, "schedule": 2, "q_split": 1, "o_direct": 1},
-            {**DYNAMIC_WIDE, "o_direct": 1})
-O_DIRECT_2 = {**DYNAMIC, "o_direct": 1}   # with two Q buffers (head dims up to 128): no TMA store
 
 
 def within_rule(out, ref, pt):
@@ -87,7 +81,7 @@ parser.add_argument("--causal-keys", action="store_true",
 parser.add_argument("--wg-skip", action="store_true",
                     help="only the Hopper forward's document masks with wg_skip")
 parser.add_argument("--q-buffers", action="store_true",
-                    help="only the Hopper forward's q_buffers 3 and o_direct configs")
+                    help="only the Hopper forward's three-Q-buffer configs")
 parser.add_argument("--carry", action="store_true",
                     help="only the Hopper forward's carry_qk, q_prefetch and pv_wait configs")
 opts = parser.parse_args()
@@ -219,13 +213,10 @@ def check_wg_skip():
 
 
 def check_q_buffers():
-    """Q_BUFFERS_3 and O_DIRECT_2 (head dims up to 128) and O_DIRECT on the ragged shapes (a CTA
-    has a tile or two there) and on 4 x 1000 tokens x 16 heads (GQA 4; 256 to 384 tiles over the SMs: each
-    buffer handed back and reloaded)."""
+    """Q_BUFFERS_3 on the ragged shapes (a CTA has a tile or two there) and on 4 x 1000 tokens
+    x 16 heads (GQA 4; 256 to 384 tiles over the SMs: each buffer handed back and reloaded)."""
     many = (4, 1000, 16, 4)
-    for head_dim in (64, 96, 128, 192, 256):
-        # (the split one at the head dims it is for: at 64-128 causal it spills 20 bytes, key or not)
-        configs = Q_BUFFERS_3 + O_DIRECT[1:] + (O_DIRECT_2,) if head_dim <= 128 else O_DIRECT
+    for head_dim in (64, 96, 128):
         for causal in (False, True):
             torch.manual_seed(head_dim)
             batch, seqlen, heads, heads_k = many
@@ -234,9 +225,9 @@ def check_q_buffers():
             big = (q, k, v, attention_ref(q, k, v, causal)[0],
                    attention_ref(q, k, v, causal, upcast=False)[0], seqlen, seqlen)
             for q, k, v, ref, pt, seqlen_q, seqlen_k in (*ragged_problems(head_dim, causal), big):
-                for config in configs:
+                for config in Q_BUFFERS_3:
                     out, _ = flash_attn_forward_sm90(q, k, v, causal, config=config)
-                    report(within_rule(out, ref, pt), "fwd q buffers", head_dim, causal,
+                    report(within_rule(out, ref, pt), "fwd q_buffers 3", head_dim, causal,
                            config, seqlen_q, seqlen_k)
 
 

@@ -74,12 +74,13 @@ for lead in ${LEADS:-sched rescale bn pers}; do case $lead in
   wgskip)  run wgskip --mod document --causal both --head-dims 64 128 --seqlens 2048 4096 8192 --rounds 5 \
              --alts '{"wg_skip": 1}' '{"wg_skip": 1, "block_n": 64}' ;;
   # q_buffers 3 (PERF_NOTES §82): the next tile's Q no longer waits for the buffer whose O the
-  # previous tile's store still reads; short tiles (causal 512-1k), with 3 stages for the first K,
-  # and o_direct with the entries' two buffers (the same effect without the third's memory)
+  # previous tile's store still reads; short tiles (causal 512-1k), with 3 stages for the first K
   q3)      run q3 --causal both --head-dims 64 128 --seqlens 512 1024 2048 --rounds 5 \
-             --alts '{"q_buffers": 3}' '{"q_buffers": 3, "stages": 3}' '{"o_direct": 1}' ;;
-  # o_direct (PERF_NOTES §83): O from the accumulators, each warpgroup's rows of Q back after its
-  # last S, so the next tile's Q loads behind the tile's end (one Q buffer: hd192/256)
-  od)      run od --causal both --head-dims 192 256 --seqlens 512 1024 2048 --rounds 5 \
-             --alts '{"o_direct": 1}' '{"o_direct": 1, "q_prefetch": 1}' ;;
+             --alts '{"q_buffers": 3}' '{"q_buffers": 3, "stages": 3}' ;;
+  # Session 30's merges (§84), measured on an H100, on the H200: each shipped entry against
+  # itself without the key (a loss > 1.5% where the key is the base's confirms it)
+  confirm) run cwgskip --mod document --causal both --head-dims 64 128 --seqlens 2048 4096 8192 --rounds 5 \
+             --alts '{"wg_skip": 0}'
+           run cq3 --causal true --head-dims 64 --seqlens 512 1024 2048 --rounds 5 \
+             --alts '{"q_buffers": 2, "stages": 2}' '{"q_buffers": 3, "stages": 2}' ;;
 esac; done

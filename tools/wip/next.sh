@@ -2,7 +2,7 @@
 # The next device session's plan (tools/wip/README.md), one stage per device call, logs under
 # $OUT; each stage prints a short table last.
 #   bash tools/wip/next.sh suite   # ~7.5 min: the whole GPU suite on HEAD
-#   bash tools/wip/next.sh newtests # ~3 min: the GPU tests of wg_skip, q_buffers 3 and o_direct only
+#   bash tools/wip/next.sh confirm # ~3 min: session 30's merges (measured on an H100) on the H200
 #   bash tools/wip/next.sh grid    # ~4 min: the forward grid against cuDNN (after a winner ships)
 #   HD=256 bash tools/wip/next.sh retune  # <= 9 min: hd256 (then HD=192) causal 2k-16k tuned, grid_order searched
 #   bash tools/wip/next.sh stalls  # ~3 min: PC sampling of short against long tiles (PERF_NOTES §73)
@@ -15,9 +15,8 @@
 #   bash tools/wip/next.sh wgskip  # ~3 min: wg_skip on the document mask (PERF_NOTES §81)
 #   bash tools/wip/next.sh wgcheck # <= 4 min: memcheck of wg_skip's document kernels, ragged shapes
 #   bash tools/wip/next.sh q3      # ~5 min: q_buffers 3 against the shipped configs (PERF_NOTES §82)
-#   bash tools/wip/next.sh q3check # <= 6 min: memcheck of q_buffers 3 and o_direct, ragged shapes and many tiles
-#   bash tools/wip/next.sh stalls256 # ~1 min: PC sampling of hd256 512 / causal 1k (o_direct's premise)
-#   bash tools/wip/next.sh od      # ~5 min: o_direct against the shipped hd192/256 configs (PERF_NOTES §83)
+#   bash tools/wip/next.sh q3check # <= 6 min: memcheck of q_buffers 3, ragged shapes and many tiles
+#   bash tools/wip/next.sh stalls256 # ~1 min: PC sampling of hd256 512 / causal 1k (where short tiles wait)
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
@@ -25,11 +24,7 @@ mkdir -p "$OUT"
 cd "$R" || exit 1
 case $1 in
   suite) STEPS=all T_all=540 bash tools/h200_run.sh 2>&1 | tail -6 ;;
-  newtests) # ~3 min: only the GPU tests of the keys no GPU has run (wg_skip, q_buffers 3, o_direct)
-         timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 \
-           tests/test_sm90_gpu.py tests/test_blockmask_gpu.py tests/test_mods_sm90_gpu.py \
-           -k "q_buffers3 or o_direct1 or many_tiles or classify or document_mask or document_forward" 2>&1 \
-           | tee "$OUT/newtests.log" | tail -8 ;;
+  confirm) LEADS=confirm LEAD_T=280 bash tools/wip/leads.sh 2>&1 | tee "$OUT/confirm.txt" | tail -30 ;;
   grid)  PYTHONPATH=. timeout 500 python3 -m kernelgen.cli bench --pass fwd --systems kernelgen sdpa_cudnn \
            --out "$OUT" 2>&1 | tee "$OUT/grid.txt" | tail -30 ;;
   retune) # HD=256 (80 configs a shape) or HD=192 (216): one call each, under 9 minutes
@@ -42,10 +37,9 @@ case $1 in
            bash tools/h200_run.sh 2>&1 | tail -20 ;;
   wgskip) LEADS=wgskip LEAD_T=240 bash tools/wip/leads.sh 2>&1 | tee "$OUT/wgskip.txt" | tail -30 ;;
   q3) LEADS=q3 LEAD_T=300 bash tools/wip/leads.sh 2>&1 | tee "$OUT/q3.txt" | tail -30 ;;
-  od) LEADS=od LEAD_T=300 bash tools/wip/leads.sh 2>&1 | tee "$OUT/od.txt" | tail -30 ;;
   q3check) STEPS=memcheck T_memcheck=360 RAGGED_ARGS=--q-buffers bash tools/h200_run.sh 2>&1 | tail -4 ;;
   wgcheck) STEPS=memcheck T_memcheck=300 RAGGED_ARGS=--wg-skip bash tools/h200_run.sh 2>&1 | tail -4 ;;
-  stalls256) # where hd256's short tiles wait (o_direct's premise: the next Q after the epilogue)
+  stalls256) # where hd256's short tiles wait (the next Q after the epilogue? PERF_NOTES §83-§84)
          STEPS=ncusrc T_ncusrc=120 NCU_CASES="flash_attn_fwd_sm90@--head-dim 256 --seqlen 512;flash_attn_fwd_sm90@--head-dim 256 --seqlen 1024 --causal" \
            bash tools/h200_run.sh 2>&1 | tee "$OUT/stalls256.txt" | tail -80 ;;
   stalls) STEPS=ncusrc T_ncusrc=120 NCU_CASES="flash_attn_fwd_sm90@--head-dim 128 --seqlen 1024;flash_attn_fwd_sm90@--head-dim 128 --seqlen 8192;flash_attn_fwd_sm90@--head-dim 64 --seqlen 512 --causal" \
@@ -59,5 +53,5 @@ case $1 in
          LEADS="pv pv64" LEAD_T=290 bash tools/wip/leads.sh 2>&1 | tee "$OUT/pv.txt" | tail -50 ;;
   pvmods) LEADS=pvmods LEAD_T=60 bash tools/wip/leads.sh 2>&1 | tee "$OUT/pvmods.txt" | tail -40 ;;
   pvrest) LEADS=pvrest LEAD_T=280 bash tools/wip/leads.sh 2>&1 | tee "$OUT/pvrest.txt" | tail -60 ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|od|stalls256|newtests"; exit 2 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm"; exit 2 ;;
 esac

@@ -235,16 +235,6 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     };
 
     const int q_bar = C::kQSplit ? wg : slot;  // the barriers of this warpgroup's rows of Q
-    // o_direct: once the last block's S is done no GEMM of this tile reads Q again, and O will
-    // not be staged in it: the warpgroup's rows go back to the producer now (one arrival per
-    // warp, as at the epilogue's end otherwise). The wgmma that read them has completed (the
-    // caller's wait), so the TMA that overwrites them is ordered after it.
-    const auto release_q_after_last_s = [&] {
-        if constexpr (C::kODirect) {
-            __syncwarp();
-            if (lane == 0) mbarrier_arrive(bar.empty_q(q_bar));
-        }
-    };
     if constexpr (!kCarry) mbarrier_wait(bar.full_q(q_bar), q_parity<C>(tile));
     if constexpr (C::kSchedule == 0) {
         // Plain: S, softmax, O += P V, one block after the other (the other warpgroups fill in).
@@ -298,8 +288,6 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             const int c00 = early_col0(0);
             const ModBits<C> bits0 = mask_bits(0, c00);
             wgmma_wait<0>();
-            if constexpr (C::kODirect)
-                if (n_blocks == 1) release_q_after_last_s();
             finish_qk(0, c00, bits0, half);
             // O is 0: alpha unused. Half: the upper half's P is 0 without its exp2s.
             softmax_step<C, Mods::kDistanceSlopes, C::kBlockN / (decltype(half)::value ? 16 : 8)>(
@@ -333,8 +321,6 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             const int c0 = early_col0(i);
             const ModBits<C> bits = mask_bits(i, c0);
             wgmma_wait<1>();  // S done, P V still running: p and acc_o stay untouched
-            if constexpr (C::kODirect)
-                if (i == n_blocks - 1) release_q_after_last_s();
             finish_qk(i, c0, bits, Bool<false>{});
             softmax(alpha);
             // pv_wait: the wait for this block's V (due before its P V, in the next turn) is a
@@ -390,10 +376,8 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     // Epilogue: O /= l, LSE = (m*c + log2 l) * ln2; rows with l == 0 saw no key: O = 0, LSE = -inf.
     // O is staged in this warpgroup's own rows of its Q tile (every warp of it is past its last
     // QK^T once the named barrier opens), then each warp stores its 16 rows in 16-byte chunks, or
-    // (kTmaStore) one thread stores the warpgroup's 64 rows by TMA, one box per panel, or
-    // (kODirect) each thread stores its own two columns of each 8 straight from the accumulators
-    // (a quad of lanes: 16 bytes of a row), its rows of Q already handed back.
-    if constexpr (!C::kODirect) named_barrier_sync(1 + wg, 128);
+    // (kTmaStore) one thread stores the warpgroup's 64 rows by TMA, one box per panel.
+    named_barrier_sync(1 + wg, 128);
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
         float l = row_sum[h];
@@ -411,21 +395,11 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             if constexpr (Mods::kDistanceSlopes) row_lse -= bias.rho[h] * bias.scale;  // the shift
             lse[r] = row_lse;
         }
-        if constexpr (C::kODirect) {
-            if (r < q_rows) {
-                #pragma unroll
-                for (int i = 0; i < C::kHeadDim / 8; ++i)
-                    *reinterpret_cast<u32*>(o + r * a.o_stride_s + i * 8 + 2 * (lane % 4)) =
-                        pack2<Elem>(acc_o[4 * i + 2 * h] * inv, acc_o[4 * i + 2 * h + 1] * inv);
-            }
-        } else {
-            #pragma unroll
-            for (int i = 0; i < C::kHeadDim / 8; ++i)
-                *reinterpret_cast<u32*>(q_tile + panel_offset<C>(C::kBlockM, r, i * 8 + 2 * (lane % 4))) =
-                    pack2<Elem>(acc_o[4 * i + 2 * h] * inv, acc_o[4 * i + 2 * h + 1] * inv);
-        }
+        #pragma unroll
+        for (int i = 0; i < C::kHeadDim / 8; ++i)
+            *reinterpret_cast<u32*>(q_tile + panel_offset<C>(C::kBlockM, r, i * 8 + 2 * (lane % 4))) =
+                pack2<Elem>(acc_o[4 * i + 2 * h] * inv, acc_o[4 * i + 2 * h + 1] * inv);
     }
-    if constexpr (C::kODirect) return;
     if constexpr (C::kTmaStore) {
         // The TMA reads what the generic proxy wrote: fence, then every thread's O is in place.
         // Rows past seqlen_q fall outside the map and are not written.

@@ -33,7 +33,7 @@ struct Pick<false> {
 template <class Elem_, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool CAUSAL,
           int SCHEDULE, int PERSISTENT, int Q_BUFFERS, int SUM_MMA, int RESCALE, int Q_SPLIT,
           int CLUSTER, int KV_ALIGN, int GRID_ORDER, int HALF_DIAG, int CARRY_QK, int Q_PREFETCH,
-          int PV_WAIT, int WG_SKIP, int O_DIRECT,
+          int PV_WAIT, int WG_SKIP,
           class QkGemm_, class QkGemmHalf_, class PvGemm_>
 struct Sm90Config {
     using Elem = Elem_;
@@ -48,8 +48,7 @@ struct Sm90Config {
     static constexpr bool kPersistent = PERSISTENT > 0;  // loop over tiles (TileSchedule)
     static constexpr bool kDynamic = PERSISTENT == 2;    // ... claimed from a counter (TileQueue)
     static constexpr int kQBuffers = Q_BUFFERS;        // Q tiles used in turn by successive tiles
-    // O stored from its Q buffer by TMA (not with O_DIRECT, which stores it from registers)
-    static constexpr bool kTmaStore = Q_BUFFERS >= 2 && O_DIRECT == 0;
+    static constexpr bool kTmaStore = Q_BUFFERS >= 2;  // O stored from its Q buffer by TMA
     // The row sums of P from the P V wgmma: N = HEAD_DIM + 8, B's last 8 columns read a panel of
     // ones (kOffOnes), so accumulators kHeadDim / 2 .. + 3 hold each row's sum, rescaled with O.
     static constexpr bool kSumMma = SUM_MMA != 0;
@@ -96,12 +95,6 @@ struct Sm90Config {
     // blockmask.py group_for_warpgroups): each warpgroup skips the blocks its 64 rows do not see,
     // one warpgroup's first in the tile's visiting order, the other's last (skipped_blocks).
     static constexpr bool kWgSkip = WG_SKIP == 1;
-    // O_DIRECT 1 (persistent, overlapped schedules): O leaves from the accumulators straight to
-    // global memory instead of through the Q tile, so a warpgroup hands its rows of Q back once
-    // its last block's S is done (sm90_consume). One Q buffer: the next tile's Q loads during
-    // that block's softmax, P V and the epilogue rather than after them; two: the buffer is back
-    // a tile earlier than a TMA store's (as with three buffers, without the third's memory).
-    static constexpr bool kODirect = O_DIRECT == 1;
     static constexpr int kConsumers = BLOCK_M / 64;          // one warpgroup per 64 query rows
     static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
     // Per-thread register budgets after setmaxnreg (FA3's: 24/240 for 2 consumers, 32/160 for 3).
@@ -145,8 +138,6 @@ struct Sm90Config {
                   "q_prefetch: a persistent CTA's next tile, whose Q loads after the epilogue");
     static_assert(!kPvWait || SCHEDULE > 0, "pv_wait: a P V in flight during the softmax");
     static_assert(!kWgSkip || BLOCK_M == 128, "wg_skip: the lists' groups are of two 64-row halves");
-    static_assert(!kODirect || (PERSISTENT && Q_BUFFERS <= 2 && SCHEDULE > 0 && !kCarryQk),
-                  "o_direct: a persistent CTA's next tiles, overlapped schedules, no carried S");
     static_assert(CLUSTER == 1 || (CLUSTER == 2 && !PERSISTENT && !CAUSAL && kPanels % 2 == 0),
                   "a cluster's CTAs share the KV blocks of a CTA per tile, non-causal, by panels");
 };
