@@ -381,7 +381,7 @@ def test_an_unreadable_database_never_fails_a_call(fake_gpu, spec, variant, monk
     assert tune.resolve(spec, variant, PROBLEM, device=0).source == "heuristic"
 
 
-def test_shipped_defaults_nearest_bucket_and_same_gpu_only(fake_gpu, spec, variant):
+def test_shipped_defaults_nearest_bucket_and_own_gpu_first(fake_gpu, spec, variant):
     ship(fake_gpu, spec, variant, cfg(64, 64), "q1024_k1024_bh256")
     ship(fake_gpu, spec, variant, cfg(128, 64), "q16384_k16384_bh16")
     ship(fake_gpu, spec, variant, cfg(64, 32), "q8192_k8192_bh32", gpu="Other GPU")
