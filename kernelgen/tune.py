@@ -355,12 +355,10 @@ def _from_shipped(spec, variant, key: tunedb.Key) -> Config | None:
     # The nearest measured bucket stands in for one that was not measured.
     identity = key.identity
     table = _shipped_table()
-    entries = None
-    for gpu in (identity.gpu, *_same_chip(table, identity)):
-        for candidate in (variant, _dtype_sibling(spec, variant)):
-            if candidate is not None and not entries:
-                entries = table.get((spec.name, candidate.slug, candidate.arch, gpu,
-                                     identity.capability, identity.sm_count))
+    variants = [v for v in (variant, _dtype_sibling(spec, variant)) if v is not None]
+    wheres = ((spec.name, v.slug, v.arch, gpu, identity.capability, identity.sm_count)
+              for gpu in (identity.gpu, *_same_chip(table, identity)) for v in variants)
+    entries = next((table[where] for where in wheres if table.get(where)), None)
     if not entries:
         return None
     wanted = Bucket.from_slug(key.bucket)
