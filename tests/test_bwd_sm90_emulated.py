@@ -182,11 +182,12 @@ def test_window_rows_that_see_no_key():
           mask_mod=mask_mod)
 
 
-@pytest.mark.parametrize("window", [(40, 24), (-1, 5)])
-def test_window_causal_gqa(window):
+@pytest.mark.parametrize("window, head_dim", [((40, 24), 128), ((-1, 5), 128), ((40, 24), 64)])
+def test_window_causal_gqa(window, head_dim):
     """Three KV tiles, four query tiles: skipped pairs, pairs without the mask_mod (the kv range
-    vouches for them) and pairs with it; 3 stages so the skips meet a wrapping ring."""
-    q, k, v, dout = qkv_dout(1, 200, 330, 2, 1, 128, torch.bfloat16)
+    vouches for them) and pairs with it; 3 stages so the skips meet a wrapping ring. Head dim 64
+    causal runs here since the consumers stopped walking the pairs (PERF_NOTES §87)."""
+    q, k, v, dout = qkv_dout(1, 200, 330, 2, 1, head_dim, torch.bfloat16)
     check(q, k, v, dout, True, {"block_m": 64, "block_n": 128, "stages": 3}, lazy=window[0] > 0,
           mods="flash_attn_window", mod_values=window, mask_mod=window_mask(*window, 200, 330))
 
@@ -220,6 +221,26 @@ def test_document_block_mask(causal, head_dim):
     assert {1, 2} <= set(states.unique().tolist())   # partial and full blocks
     check(q, k, v, dout, causal, lazy=causal, mods="flash_attn_document", mod_values=(doc_q, doc_k),
           block_mask=mask, mask_mod=lambda *_: visible)
+
+
+@pytest.mark.parametrize("causal, stages, lazy", [(False, 3, True), (True, 2, False)])
+def test_packed_varlen_ranges(causal, stages, lazy):
+    """flash_attn_packed's per-token key ranges (the stats warp hands each slot's pair to the
+    consumers, kBwdSlotPairs): varlen sequences of unequal query and key lengths in one flattened
+    batch, GQA 2:1, so each KV tile meets a run of the query tiles with gaps before and after it
+    (the walk's first pair is not pair 0, and nothing follows its last); causal folded into the
+    ranges, so rows of a sequence with fewer keys than queries see none; 3 stages wrap the ring."""
+    from kernelgen.packed import varlen_ranges
+    cu_q = torch.tensor([0, 70, 75, 210, 330, 400], dtype=torch.int32)
+    cu_k = torch.tensor([0, 50, 130, 260, 270, 420], dtype=torch.int32)
+    start, end = varlen_ranges(cu_q, cu_k, causal=causal)
+    q, k, v, dout = qkv_dout(1, 400, 420, 2, 1, 128, torch.bfloat16)
+    keys = torch.arange(420)
+    visible = ((keys >= start[0, :, None]) & (keys < end[0, :, None]))[None, None]
+    if causal:
+        assert (start[0] == end[0]).any()   # rows that see no key
+    check(q, k, v, dout, False, {"block_m": 64, "block_n": 128, "stages": stages}, lazy,
+          mods="flash_attn_packed", mod_values=(start, end), mask_mod=lambda *_: visible)
 
 
 @pytest.mark.parametrize("prefix", [0, 150])

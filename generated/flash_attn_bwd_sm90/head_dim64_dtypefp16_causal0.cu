@@ -87,7 +87,7 @@ struct DqGemm {
 using Config = kg::BwdSm90Config<elem_t, /*HEAD_DIM=*/64, /*BLOCK_M=*/64,
                                  /*BLOCK_N=*/128, /*STAGES=*/2,
                                  /*CAUSAL=*/false, SdpGemm, DkvGemm, DqGemm>;
-static_assert(Config::kSmemBytes == 100392, "spec's smem formula disagrees with the kernel");
+static_assert(Config::kSmemBytes == 100440, "spec's smem formula disagrees with the kernel");
 static_assert(Config::kThreads == 384, "spec's thread count disagrees with the kernel");
 static_assert(Config::kSwizzle == 128, "the host's tensor maps use the spec's swizzle");
 static_assert(Config::kConsumerRegs == 240, "spec's register budget disagrees");

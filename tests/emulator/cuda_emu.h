@@ -330,6 +330,7 @@ inline unsigned __ballot_sync(unsigned, int predicate) {
     return w.out[emu::lane_id()][0];
 }
 inline int __popc(unsigned value) { return __builtin_popcount(value); }
+inline int __ffs(unsigned value) { return __builtin_ffs(int(value)); }
 // One CTA at a time: global memory is ordered already, and a wait on another CTA never ends.
 inline void __threadfence() {}
 inline void __nanosleep(unsigned) { emu::fail("a wait on another CTA (__nanosleep)", 0); }

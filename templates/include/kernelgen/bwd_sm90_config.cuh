@@ -40,8 +40,10 @@ struct BwdSm90Config {
     static constexpr u32 kOffK = 0, kOffV = kTileKV, kOffQ = 2 * kTileKV;
     static constexpr u32 kOffDo = kOffQ + STAGES * kTileQ, kOffDs = kOffDo + STAGES * kTileQ;
     static constexpr u32 kOffStats = kOffDs + 2 * kTileDs;   // [STAGES][LSE * log2e, D][BLOCK_M]
-    static constexpr u32 kOffBarriers = kOffStats + STAGES * 2 * BLOCK_M * 4;
-    static constexpr int kBarriers = 2 * STAGES + 1;          // full[], empty[], full_kv
+    // [STAGES] int4: the slot's pair (head, m0, partial) where the walk reads memory (BwdSlotPair)
+    static constexpr u32 kOffPairs = kOffStats + STAGES * 2 * BLOCK_M * 4;
+    static constexpr u32 kOffBarriers = kOffPairs + STAGES * 16;
+    static constexpr int kBarriers = 3 * STAGES + 1;          // full[], empty[], full_kv, pair[]
     static constexpr u32 kSmemBytes = 1024 + kOffBarriers + 8 * kBarriers;  // + 1024: realignment
     static constexpr int kStatsArrivals = 32;                 // the stats warp's lanes
 
@@ -59,6 +61,8 @@ struct BwdSm90Barriers {
     __device__ __forceinline__ u32 full(int s) const { return base + 8 * s; }
     __device__ __forceinline__ u32 empty(int s) const { return base + 8 * (C::kStages + s); }
     __device__ __forceinline__ u32 full_kv() const { return base + 8 * (2 * C::kStages); }
+    // The slot's pair is written (kBwdSlotPairs): the loads' warp to the stats warp.
+    __device__ __forceinline__ u32 pair(int s) const { return base + 8 * (2 * C::kStages + 1 + s); }
 };
 
 }  // namespace kg

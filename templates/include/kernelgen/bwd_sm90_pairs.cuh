@@ -12,6 +12,7 @@ namespace kg {
 // query i sees keys <= i + shift) skips the query tiles above the diagonal, as flash_bwd_sm80.cuh.
 struct BwdWork {
     int kv_head, batch, kv0, group, m_first, per_head, n_iter, n_block;
+    int first_seen;  // a kv range: the first pair not ruled out (found with n_iter)
     __device__ __forceinline__ int head(int it) const { return kv_head * group + it / per_head; }
     __device__ __forceinline__ int m0(int it, int block_m) const {
         return (m_first + it % per_head) * block_m;
@@ -35,6 +36,15 @@ __device__ __forceinline__ bool bwd_pair_seen(const BwdArgs<typename C::Elem>& a
 template <class Mods>
 constexpr bool kBwdSkipPairs = Mods::kKvRange && !Mods::kBlockSparse;
 
+// Whether finding a pair costs more than arithmetic (a kv range's warp-wide search, which loads
+// per-token bounds where they are tensors; a block mask's lists, read from global memory). Then
+// only the loads' warp walks, and writes each slot's pair into shared memory (BwdSlotPair) for
+// the stats warp and the consumers, which read it once the slot is full: a global load
+// and a branch on it at the top of every pair, before the slot's wait, left the consumers one
+// L2 round trip per pair behind (PERF_NOTES §87).
+template <class Mods>
+constexpr bool kBwdSlotPairs = kBwdSkipPairs<Mods>;
+
 // first_seen and count_seen (flash_bwd_sm80.cuh) kept rolled, the count by ballot: unrolled
 // copies of the search, or a shuffle sum, cost the consumers registers they do not have (window
 // at head_dim 128 spills with either).
@@ -52,15 +62,23 @@ __device__ __forceinline__ int bwd_first_seen(int from, int count, int lane, con
     return count;
 }
 
+// How many of the `count` pairs are seen, and the first of them (count if none): one pass, so
+// that the walk's first step needs no search of its own.
+struct SeenPairs {
+    int total, first;
+};
+
 template <class Seen>
-__device__ __forceinline__ int bwd_count_seen(int count, int lane, const Seen& seen) {
-    int total = 0;
+__device__ __forceinline__ SeenPairs bwd_count_seen(int count, int lane, const Seen& seen) {
+    SeenPairs found{0, count};
     #pragma unroll 1
     for (int base = 0; base < count; base += 32) {
         const int index = base + lane;
-        total += __popc(__ballot_sync(0xffffffffu, index < count && seen(index)));
+        const u32 ballot = __ballot_sync(0xffffffffu, index < count && seen(index));
+        if (found.total == 0 && ballot != 0) found.first = base + __ffs(ballot) - 1;
+        found.total += __popc(ballot);
     }
-    return total;
+    return found;
 }
 
 template <class C, class Mods>
@@ -81,17 +99,19 @@ __device__ __forceinline__ BwdWork bwd_work(const BwdArgs<typename C::Elem>& a, 
     const int per_head = m_tiles - m_first;
     // Pairs walked: all of them; with a kv range those it does not rule out (counted by each
     // warp, all threads still converged here); with a block mask the group's listed ones.
-    int n_iter = per_head * group;
+    int n_iter = per_head * group, first_seen = 0;
     if constexpr (Mods::kBlockSparse) {
         n_iter = 0;
         for (int g = 0; g < group; ++g)
             n_iter += mods.sparse_row(batch, kv_head * group + g, n_block).n_blocks;
     } else if constexpr (kBwdSkipPairs<Mods>) {
-        n_iter = bwd_count_seen(per_head * group, threadIdx.x % 32, [&](int pair) {
+        const SeenPairs seen = bwd_count_seen(per_head * group, threadIdx.x % 32, [&](int pair) {
             return bwd_pair_seen<C>(a, mods, kv_head, batch, kv0, group, m_first, per_head, pair);
         });
+        n_iter = seen.total;
+        first_seen = seen.first;
     }
-    return BwdWork{kv_head, batch, kv0, group, m_first, per_head, n_iter, n_block};
+    return BwdWork{kv_head, batch, kv0, group, m_first, per_head, n_iter, n_block, first_seen};
 }
 
 // The pairs in walking order, the same for every role: step `it` visits pair(it), after next()
@@ -110,9 +130,10 @@ struct BwdWalk {
     int at = 0;  // the pair of the current step (a kv range)
 
     __device__ __forceinline__ void first() {
-        if constexpr (kBwdSkipPairs<Mods>) at = find(0);
+        if constexpr (kBwdSkipPairs<Mods>) at = w.first_seen;
     }
-    // Pair of step `it`; with a kv range the walk then moves on to the next step's pair.
+    // Pair of step `it`; with a kv range the walk then moves on to the next step's pair (none
+    // after the last: the search would scan every pair left, for nothing).
     __device__ __forceinline__ BwdPair step(int it) {
         if constexpr (Mods::kBlockSparse) {
             int pair = it;
@@ -125,7 +146,7 @@ struct BwdWalk {
             }
         } else if constexpr (kBwdSkipPairs<Mods>) {
             const int pair = at;
-            at = find(pair + 1);
+            if (it + 1 < w.n_iter) at = find(pair + 1);
             return BwdPair{w.head(pair), w.m0(pair, C::kBlockM), false};
         } else {
             return BwdPair{w.head(it), w.m0(it, C::kBlockM), false};
@@ -143,6 +164,12 @@ struct BwdWalk {
         if (from >= count || seen(from)) return min(from, count);
         return bwd_first_seen(from + 1, count, int(threadIdx.x % 32), seen);
     }
+};
+
+// A slot's pair as the producer leaves it for the consumers (kBwdSlotPairs): 16 bytes, one
+// shared-memory load each.
+struct alignas(16) BwdSlotPair {
+    int head, m0, partial, unused;
 };
 
 }  // namespace kg

@@ -25,23 +25,25 @@
 //
 // Ring: full[s] completes on the producer's expect_tx (Q + dO bytes) plus one arrival per lane of
 // the stats warp; empty[s] on one arrival per consumer warp once its wgmmas that read the slot
-// are retired. Pair `it` uses slot it % STAGES with parity (it / STAGES) & 1; the producer waits
-// on empty with the opposite parity, which a fresh barrier already satisfies.
+// are retired; pair[s] (kBwdSlotPairs) on warp 0's arrival once it wrote the slot's pair. Pair
+// `it` uses slot it % STAGES with parity (it / STAGES) & 1; the producer waits on empty with the
+// opposite parity, which a fresh barrier already satisfies.
 //
 // Mods (a spec's `mods`, the struct mods.inc.j2 renders; NoMods without) apply as in
 // flash_bwd_sm80.cuh: P = exp(score_mod(scale * q.k) - LSE), 0 where a built-in mask or the
 // mask_mod hides the pair, dS = P (dP - D) score_mod_grad(scale * q.k). One pass over the S^T
 // accumulators (bwd_mod_probs) packs P for dV and leaves P * score_mod_grad in their place, so dS
 // costs no registers more than without mods. A kv range skips the pairs whose keys miss this KV
-// tile: every role walks the same pairs, each warp finding the next one 32 at a time
-// (first_seen), so the producer's loads are issued by lane 0 of a whole warp then. A block mask
+// tile: warp 0 walks the pairs, finding the next one 32 at a time (first_seen), so the
+// producer's loads are issued by lane 0 of a whole warp then, which also hands each slot's pair
+// to the stats warp and the consumers (bwd_sm90_pairs.cuh, kBwdSlotPairs). A block mask
 // (mods.block_sparse) lists the pairs instead: the query tiles of this KV block for each head of
 // the GQA group, partial ones (mask_mod per element) first.
 //
 // Shared memory (1024-aligned): K | V | STAGES x Q | STAGES x dO | 2 x dS^T | STAGES x (LSE, D) |
-// barriers. Q, K, V, dO tiles are panels of 64 (128B-swizzled) or 32 (64B) head_dim columns as
-// TMA writes them (the forward's layout, flash_fwd_sm90.cuh); dS^T is [key][query], one 128B
-// panel of 64 queries.
+// STAGES x the pair (kBwdSlotPairs) | barriers. Q, K, V, dO tiles are panels of 64
+// (128B-swizzled) or 32 (64B) head_dim columns as TMA writes them (the forward's layout,
+// flash_fwd_sm90.cuh); dS^T is [key][query], one 128B panel of 64 queries.
 #pragma once
 #include "kernelgen/flash_bwd_sm80.cuh"  // BwdArgs, red_add_f32x2
 #include "kernelgen/bwd_sm90_config.cuh"
@@ -57,9 +59,12 @@ namespace kg {
 
 // Thread 0: K and V once, then Q and dO of every pair through the ring.
 // With a kv range the whole warp 0 walks the pairs (the search is warp-wide) and its lane 0
-// issues; otherwise thread 0 alone runs this.
+// issues, and writes each slot's pair for the stats warp and the consumers (kBwdSlotPairs: the
+// one walk; the stats warp's own, beside its loads, did not fit 24 registers); otherwise thread
+// 0 alone runs this.
 template <class C, class Mods>
-__device__ __forceinline__ void bwd_produce_tiles(u32 base, BwdSm90Barriers<C> bar,
+__device__ __forceinline__ void bwd_produce_tiles(u32 base, BwdSlotPair* slot_pairs,
+                                                  BwdSm90Barriers<C> bar,
                                                   const TensorMap& map_q, const TensorMap& map_k,
                                                   const TensorMap& map_v, const TensorMap& map_do,
                                                   BwdWalk<C, Mods> walk) {
@@ -80,6 +85,10 @@ __device__ __forceinline__ void bwd_produce_tiles(u32 base, BwdSm90Barriers<C> b
         const int s = it % C::kStages, head = pair.head, m0 = pair.m0;
         if (!issue) continue;
         mbarrier_wait(bar.empty(s), (u32(it / C::kStages) & 1) ^ 1);
+        if constexpr (kBwdSlotPairs<Mods>) {  // for the stats warp and the consumers
+            slot_pairs[s] = BwdSlotPair{head, m0, pair.partial, 0};
+            mbarrier_arrive(bar.pair(s));
+        }
         mbarrier_arrive_expect_tx(bar.full(s), 2 * C::kTileQ);
         // Q and dO are read again by the CTAs of the other KV tiles of this head.
         tma_load_5d(base + C::kOffQ + s * C::kTileQ, map_q, bar.full(s), 0, m0, 0, head, w.batch,
@@ -91,18 +100,28 @@ __device__ __forceinline__ void bwd_produce_tiles(u32 base, BwdSm90Barriers<C> b
 
 // Warp 1 (`lane` 0..31): LSE * log2e and D of every pair's rows into its slot; rows past seqlen_q
 // get 0, so their P and dS stay finite (they meet zero rows of Q and dO and are never stored).
+// With kBwdSlotPairs it takes the pairs from warp 0 (bar.pair) instead of walking itself.
 template <class C, class Mods>
 __device__ __forceinline__ void bwd_produce_stats(const BwdArgs<typename C::Elem>& a,
                                                   unsigned char* tiles, BwdSm90Barriers<C> bar,
                                                   BwdWalk<C, Mods> walk, int lane) {
     const BwdWork& w = walk.w;
-    walk.first();
+    if constexpr (!kBwdSlotPairs<Mods>) walk.first();
     for (int it = 0; it < w.n_iter; ++it) {
-        const BwdPair pair = walk.step(it);
+        BwdPair pair;
+        if constexpr (kBwdSlotPairs<Mods>) {  // the loads' warp has waited for the slot's empty
+            mbarrier_wait(bar.pair(it % C::kStages), u32(it / C::kStages) & 1);
+            const BwdSlotPair found =
+                reinterpret_cast<const BwdSlotPair*>(tiles + C::kOffPairs)[it % C::kStages];
+            pair = BwdPair{found.head, found.m0, false};
+        } else {
+            pair = walk.step(it);
+        }
         const int s = it % C::kStages, m0 = pair.m0;
         const i64 row0 = (i64(w.batch) * a.heads + pair.head) * a.seqlen_q + m0;
         float* stats = reinterpret_cast<float*>(tiles + C::kOffStats) + s * 2 * C::kBlockM;
-        mbarrier_wait(bar.empty(s), (u32(it / C::kStages) & 1) ^ 1);
+        if constexpr (!kBwdSlotPairs<Mods>)
+            mbarrier_wait(bar.empty(s), (u32(it / C::kStages) & 1) ^ 1);
         #pragma unroll
         for (int r = lane; r < C::kBlockM; r += 32) {
             const bool inside = m0 + r < a.seqlen_q;
@@ -193,14 +212,20 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
     Packed<C::kBlockM> p16, ds16;
 
     mbarrier_wait(bar.full_kv(), 0);
-    walk.first();
+    if constexpr (!kBwdSlotPairs<Mods>) walk.first();
     for (int it = 0; it < w.n_iter; ++it) {
-        const BwdPair pair = walk.step(it);
-        const int s = it % C::kStages, head = pair.head, m0 = pair.m0;
+        const int s = it % C::kStages;
+        BwdPair pair;
+        if constexpr (!kBwdSlotPairs<Mods>) pair = walk.step(it);
         const u64 slot = (s * C::kTileQ) >> 4;
         const float* lse2 = stats_all + s * 2 * C::kBlockM;
         const float* dsum = lse2 + C::kBlockM;
         mbarrier_wait(bar.full(s), u32(it / C::kStages) & 1);
+        if constexpr (kBwdSlotPairs<Mods>) {  // the producer's record of the slot's pair
+            const BwdSlotPair found = reinterpret_cast<const BwdSlotPair*>(tiles + C::kOffPairs)[s];
+            pair = BwdPair{found.head, found.m0, found.partial != 0};
+        }
+        const int head = pair.head, m0 = pair.m0;
 
         // Zeroed here (the first k-step overwrites them anyway), so that nothing of the last pair
         // stays live across the loop: the wgmma's "+f" operands would read them.
@@ -395,6 +420,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const BwdArgs<typename C::Elem>& 
             mbarrier_init(bar.empty(s), 4 * C::kConsumers);  // one arrival per consumer warp
         }
         mbarrier_init(bar.full_kv(), 1);
+        if constexpr (kBwdSlotPairs<Mods>)
+            for (int s = 0; s < C::kStages; ++s) mbarrier_init(bar.pair(s), 1);
         mbarrier_fence_init();
     }
     __syncthreads();  // the last CTA-wide barrier: the producer's idle warps exit below
@@ -403,7 +430,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const BwdArgs<typename C::Elem>& 
     if (threadIdx.x < 128) {
         setmaxnreg_dec<C::kProducerRegs>();
         if (kBwdSkipPairs<Mods> ? threadIdx.x < 32 : threadIdx.x == 0)
-            bwd_produce_tiles<C>(base, bar, map_q, map_k, map_v, map_do, walk);
+            bwd_produce_tiles<C>(base, reinterpret_cast<BwdSlotPair*>(tiles + C::kOffPairs), bar,
+                                 map_q, map_k, map_v, map_do, walk);
         else if (threadIdx.x / 32 == 1)
             bwd_produce_stats<C>(a, tiles, bar, walk, threadIdx.x % 32);
         return;
