@@ -41,13 +41,15 @@ constexpr bool kBwdSkipPairs = Mods::kKvRange && !Mods::kBlockSparse;
 // only the loads' warp walks, and writes each slot's pair into shared memory (BwdSlotPair) for
 // the stats warp and the consumers, which read it once the slot is full: a global load
 // and a branch on it at the top of every pair, before the slot's wait, left the consumers one
-// L2 round trip per pair behind (PERF_NOTES §87).
-template <class Mods>
-constexpr bool kBwdSlotPairs = kBwdSkipPairs<Mods>;
+// L2 round trip per pair behind (PERF_NOTES §87). Not a block mask's at head dim 96: its
+// consumers spill then (92 bytes causal), as the list entry they re-read per use let ptxas
+// rematerialize head and m0, and a value read after an mbarrier wait cannot be.
+template <class C, class Mods>
+constexpr bool kBwdSlotPairs = Mods::kKvRange || (Mods::kBlockSparse && C::kHeadDim != 96);
 
 // first_seen and count_seen (flash_bwd_sm80.cuh) kept rolled, the count by ballot: unrolled
-// copies of the search, or a shuffle sum, cost the consumers registers they do not have (window
-// at head_dim 128 spills with either).
+// copies of the search, or a shuffle sum, cost registers the walking warp (24 of them) and, when
+// they still walked, the consumers did not have (window at head_dim 128 spilled with either).
 template <class Seen>
 __device__ __forceinline__ int bwd_first_seen(int from, int count, int lane, const Seen& seen) {
     #pragma unroll 1

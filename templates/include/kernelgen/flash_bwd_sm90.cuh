@@ -38,7 +38,8 @@
 // producer's loads are issued by lane 0 of a whole warp then, which also hands each slot's pair
 // to the stats warp and the consumers (bwd_sm90_pairs.cuh, kBwdSlotPairs). A block mask
 // (mods.block_sparse) lists the pairs instead: the query tiles of this KV block for each head of
-// the GQA group, partial ones (mask_mod per element) first.
+// the GQA group, partial ones (mask_mod per element) first; thread 0 reads the lists and hands
+// the pairs on the same way (but at head dim 96, where every role reads them).
 //
 // Shared memory (1024-aligned): K | V | STAGES x Q | STAGES x dO | 2 x dS^T | STAGES x (LSE, D) |
 // STAGES x the pair (kBwdSlotPairs) | barriers. Q, K, V, dO tiles are panels of 64
@@ -59,9 +60,9 @@ namespace kg {
 
 // Thread 0: K and V once, then Q and dO of every pair through the ring.
 // With a kv range the whole warp 0 walks the pairs (the search is warp-wide) and its lane 0
-// issues, and writes each slot's pair for the stats warp and the consumers (kBwdSlotPairs: the
-// one walk; the stats warp's own, beside its loads, did not fit 24 registers); otherwise thread
-// 0 alone runs this.
+// issues; otherwise thread 0 alone runs this. With kBwdSlotPairs (a kv range, a block mask) the
+// issuing thread writes each slot's pair for the stats warp and the consumers: the one walk (the
+// stats warp's own, beside its loads, did not fit 24 registers).
 template <class C, class Mods>
 __device__ __forceinline__ void bwd_produce_tiles(u32 base, BwdSlotPair* slot_pairs,
                                                   BwdSm90Barriers<C> bar,
@@ -85,7 +86,7 @@ __device__ __forceinline__ void bwd_produce_tiles(u32 base, BwdSlotPair* slot_pa
         const int s = it % C::kStages, head = pair.head, m0 = pair.m0;
         if (!issue) continue;
         mbarrier_wait(bar.empty(s), (u32(it / C::kStages) & 1) ^ 1);
-        if constexpr (kBwdSlotPairs<Mods>) {  // for the stats warp and the consumers
+        if constexpr (kBwdSlotPairs<C, Mods>) {  // for the stats warp and the consumers
             slot_pairs[s] = BwdSlotPair{head, m0, pair.partial, 0};
             mbarrier_arrive(bar.pair(s));
         }
@@ -106,10 +107,10 @@ __device__ __forceinline__ void bwd_produce_stats(const BwdArgs<typename C::Elem
                                                   unsigned char* tiles, BwdSm90Barriers<C> bar,
                                                   BwdWalk<C, Mods> walk, int lane) {
     const BwdWork& w = walk.w;
-    if constexpr (!kBwdSlotPairs<Mods>) walk.first();
+    if constexpr (!kBwdSlotPairs<C, Mods>) walk.first();
     for (int it = 0; it < w.n_iter; ++it) {
         BwdPair pair;
-        if constexpr (kBwdSlotPairs<Mods>) {  // the loads' warp has waited for the slot's empty
+        if constexpr (kBwdSlotPairs<C, Mods>) {  // the loads' warp has waited for the slot's empty
             mbarrier_wait(bar.pair(it % C::kStages), u32(it / C::kStages) & 1);
             const BwdSlotPair found =
                 reinterpret_cast<const BwdSlotPair*>(tiles + C::kOffPairs)[it % C::kStages];
@@ -120,7 +121,7 @@ __device__ __forceinline__ void bwd_produce_stats(const BwdArgs<typename C::Elem
         const int s = it % C::kStages, m0 = pair.m0;
         const i64 row0 = (i64(w.batch) * a.heads + pair.head) * a.seqlen_q + m0;
         float* stats = reinterpret_cast<float*>(tiles + C::kOffStats) + s * 2 * C::kBlockM;
-        if constexpr (!kBwdSlotPairs<Mods>)
+        if constexpr (!kBwdSlotPairs<C, Mods>)
             mbarrier_wait(bar.empty(s), (u32(it / C::kStages) & 1) ^ 1);
         #pragma unroll
         for (int r = lane; r < C::kBlockM; r += 32) {
@@ -212,16 +213,16 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
     Packed<C::kBlockM> p16, ds16;
 
     mbarrier_wait(bar.full_kv(), 0);
-    if constexpr (!kBwdSlotPairs<Mods>) walk.first();
+    if constexpr (!kBwdSlotPairs<C, Mods>) walk.first();
     for (int it = 0; it < w.n_iter; ++it) {
         const int s = it % C::kStages;
         BwdPair pair;
-        if constexpr (!kBwdSlotPairs<Mods>) pair = walk.step(it);
+        if constexpr (!kBwdSlotPairs<C, Mods>) pair = walk.step(it);
         const u64 slot = (s * C::kTileQ) >> 4;
         const float* lse2 = stats_all + s * 2 * C::kBlockM;
         const float* dsum = lse2 + C::kBlockM;
         mbarrier_wait(bar.full(s), u32(it / C::kStages) & 1);
-        if constexpr (kBwdSlotPairs<Mods>) {  // the producer's record of the slot's pair
+        if constexpr (kBwdSlotPairs<C, Mods>) {  // the producer's record of the slot's pair
             const BwdSlotPair found = reinterpret_cast<const BwdSlotPair*>(tiles + C::kOffPairs)[s];
             pair = BwdPair{found.head, found.m0, found.partial != 0};
         }
@@ -420,7 +421,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const BwdArgs<typename C::Elem>& 
             mbarrier_init(bar.empty(s), 4 * C::kConsumers);  // one arrival per consumer warp
         }
         mbarrier_init(bar.full_kv(), 1);
-        if constexpr (kBwdSlotPairs<Mods>)
+        if constexpr (kBwdSlotPairs<C, Mods>)
             for (int s = 0; s < C::kStages; ++s) mbarrier_init(bar.pair(s), 1);
         mbarrier_fence_init();
     }
