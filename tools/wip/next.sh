@@ -17,6 +17,9 @@
 #   bash tools/wip/next.sh q3      # ~5 min: q_buffers 3 against the shipped configs (PERF_NOTES §82)
 #   bash tools/wip/next.sh q3check # <= 6 min: memcheck of q_buffers 3, ragged shapes and many tiles
 #   bash tools/wip/next.sh stalls256 # ~1 min: PC sampling of hd256 512 / causal 1k (where short tiles wait)
+#   bash tools/wip/next.sh bwdab   # ~6 min: §87's backward against the tree before it (carry .ab/old:
+#                                  #   git archive a0ac66e | tar -x -C .ab/old), kernel times, then the bench
+#   bash tools/wip/next.sh bwdgpu  # ~6 min: the backward GPU tests and memcheck of the mask mods
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
@@ -53,5 +56,24 @@ case $1 in
          LEADS="pv pv64" LEAD_T=290 bash tools/wip/leads.sh 2>&1 | tee "$OUT/pv.txt" | tail -50 ;;
   pvmods) LEADS=pvmods LEAD_T=60 bash tools/wip/leads.sh 2>&1 | tee "$OUT/pvmods.txt" | tail -40 ;;
   pvrest) LEADS=pvrest LEAD_T=280 bash tools/wip/leads.sh 2>&1 | tee "$OUT/pvrest.txt" | tail -60 ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm"; exit 2 ;;
+  bwdab) # the main kernels' times per fwd+bwd (torch.profiler), old tree and HEAD interleaved
+         [ -d .ab/old/kernelgen ] || { echo "carry .ab/old (git archive a0ac66e)"; exit 2; }
+         for r in 1 2; do
+           (cd .ab/old && PYTHONPATH=. timeout 100 python3 "$R/tools/wip/bwd_kernels.py" --mods document packed varlen window \
+              2>&1 | grep -E "^---|bwd_sm90|bwd\b" | sed "s/^/old$r /")
+           PYTHONPATH=. timeout 100 python3 tools/wip/bwd_kernels.py --mods document packed varlen window \
+              2>&1 | grep -E "^---|bwd_sm90|bwd\b" | sed "s/^/new$r /"
+         done 2>&1 | tee "$OUT/bwdab.txt"
+         PYTHONPATH=. timeout 150 python3 tools/wip/bwd_kernels.py --causal --mods document packed window 2>&1 \
+           | grep -E "^---|bwd_sm90|bwd\b" | tee "$OUT/bwdab_causal.txt"
+         # window hd64 causal moved from flash_attn_bwd (mma.sync) to the Hopper backward
+         for tree in .ab/old .; do (cd $tree && PYTHONPATH=. timeout 60 python3 "$R/tools/wip/bwd_kernels.py" \
+           --head-dim 64 --causal --mods window 2>&1 | grep -E "^---|bwd" | sed "s|^|$tree |"); done \
+           | tee "$OUT/bwdab_w64.txt"
+         PYTHONPATH=. timeout 200 python3 -m kernelgen.cli bench --mods --pass bwd --seqlens 4096 \
+           --out "$OUT" 2>&1 | tee "$OUT/modsbwd.txt" | tail -14 ;;
+  bwdgpu) PYTEST_ARGS="tests/test_mods_bwd_gpu.py tests/test_bwd_sm90_gpu.py" \
+           STEPS=pytest T_pytest=240 bash tools/h200_run.sh 2>&1 | tail -4
+         STEPS=memcheck T_memcheck=200 RAGGED_ARGS="--mask-mods 64 128" bash tools/h200_run.sh 2>&1 | tail -4 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu"; exit 2 ;;
 esac
