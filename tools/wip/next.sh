@@ -20,6 +20,7 @@
 #   bash tools/wip/next.sh bwdab   # ~6 min: §87's backward against the tree before it (carry .ab/old:
 #                                  #   git archive a0ac66e | tar -x -C .ab/old), kernel times, then the bench
 #   bash tools/wip/next.sh bwdgpu  # ~6 min: the backward GPU tests and memcheck of the mask mods
+#   bash tools/wip/next.sh bwdstalls # ~2 min: PC sampling of the plain and the packed backward (§87's lead)
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
@@ -75,5 +76,8 @@ case $1 in
   bwdgpu) PYTEST_ARGS="tests/test_mods_bwd_gpu.py tests/test_bwd_sm90_gpu.py" \
            STEPS=pytest T_pytest=240 bash tools/h200_run.sh 2>&1 | tail -4
          STEPS=memcheck T_memcheck=200 RAGGED_ARGS="--mask-mods 64 128" bash tools/h200_run.sh 2>&1 | tail -4 ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu"; exit 2 ;;
+  bwdstalls) # where the backward's consumers wait: the dQ atomics (RED) or the GEMMs? (§87's lead)
+         STEPS=ncusrc T_ncusrc=120 NCU_CASES="flash_attn_bwd_sm90@--backward --seqlen 4096;flash_attn_bwd_sm90@--backward --seqlen 4096 --mod packed" \
+           bash tools/h200_run.sh 2>&1 | tee "$OUT/bwdstalls.txt" | grep -E "^---|instructions|by opcode|RED|^ *[0-9.]+% +[0-9.]+% " | head -70 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls"; exit 2 ;;
 esac
