@@ -260,7 +260,7 @@ def _run(kernels: _Kernels, launch, dout, q, k, v, out, lse, scale: float,
                  *_strides(b.dk), *_strides(b.dv),
                  batch, heads, heads_k, seqlen_q, seqlen_k, scale)
     if backward_sm90.is_sm90(kernels.main):  # + its tensor maps, before the mod arguments
-        main_args += backward_sm90.tensor_maps(kernels.main, q, k, v, dout)
+        main_args += backward_sm90.tensor_maps(kernels.main, q, k, v, dout, b.dq_accum)
     launch(kernels.main, main_args + tuple(mod_args), sizes)
     if b.dq_accum is not None:  # already scaled by the kernel
         b.dq.copy_(b.dq_accum)

@@ -1,10 +1,11 @@
 """The Hopper backward main kernel (spec flash_attn_bwd_sm90: TMA, mbarriers, wgmma) for
 kernelgen.backward: when it applies, and the tensor maps its launch takes.
 
-It computes what flash_attn_bwd's main kernel computes, with the same arguments plus four tensor
-maps (Q and dO in boxes of block_m rows, K and V of block_n), so backward._run keeps the prep
-kernel and the dQ cast around it. Only the non-deterministic path runs here (the kernel adds dQ
-with atomics). A spec's mods run here too (the spec put onto this one, `<spec>__flash_attn_bwd_sm90`,
+It computes what flash_attn_bwd's main kernel computes, with the same arguments plus five tensor
+maps (Q and dO in boxes of block_m rows, K and V of block_n, the fp32 dQ accumulator in boxes of
+block_m rows and one consumer's dq_n columns), so backward._run keeps the prep kernel and the dQ
+cast around it. Only the non-deterministic path runs here (the kernel adds dQ with TMA
+reduce-adds, in no fixed order). A spec's mods run here too (the spec put onto this one, `<spec>__flash_attn_bwd_sm90`,
 its mod arguments after the tensor maps), unless the spec's `onto: {flash_attn_bwd_sm90: ...}`
 section leaves the variant no config: its live values do not fit the consumers' 240 registers
 there. KERNELGEN_BACKWARD=sm80 forces the mma.sync kernel everywhere (SHORT_SEQLEN_K, below, once
@@ -82,10 +83,11 @@ _LAYOUTS: dict[tuple, tuple] = {}
 _MAX_LAYOUTS = 4096
 
 
-def tensor_maps(kernel, q, k, v, dout) -> tuple:
-    """(tma.TiledMap, tensor) for Q, K, V and dO, in the kernel's argument order; all-zero maps
-    when Q or K/V are empty. A pair is what the emulator takes; `encode` makes the launch's bytes."""
-    tensors = (q, k, v, dout)
+def tensor_maps(kernel, q, k, v, dout, dq_accum) -> tuple:
+    """(tma.TiledMap, tensor) for Q, K, V, dO and dq_accum (fp32, shaped as q), in the kernel's
+    argument order; all-zero maps when Q or K/V are empty. A pair is what the emulator takes;
+    `encode` makes the launch's bytes."""
+    tensors = (q, k, v, dout, dq_accum)
     key = (kernel.variant, kernel.config, *(t.shape for t in tensors),
            *(t.stride() for t in tensors))
     layouts = _LAYOUTS.get(key)
@@ -100,13 +102,16 @@ def tensor_maps(kernel, q, k, v, dout) -> tuple:
 def _layouts(kernel, tensors) -> tuple:
     q, k = tensors[0], tensors[1]
     if not q.numel() or not k.numel():  # no CTA loads anything (maybe not even a valid address)
-        return (_EMPTY_MAP,) * 4
+        return (_EMPTY_MAP,) * 5
     config = kernel.config
     dtype = kernel.variant["dtype"]
-    swizzle = kernel.spec.environment(kernel.variant, config)["swizzle"]
+    env = kernel.spec.environment(kernel.variant, config)
     rows = (config["block_m"], config["block_n"], config["block_n"], config["block_m"])
-    return tuple(tma.attention_map(t.shape, t.stride(), dtype, r, swizzle)
+    maps = tuple(tma.attention_map(t.shape, t.stride(), dtype, r, env["swizzle"])
                  for t, r in zip(tensors, rows))
+    dq = tensors[4]  # 128B swizzle: 32 fp32 columns a panel (bwd_sm90_config.cuh kDqPanel)
+    return maps + (tma.attention_map(dq.shape, dq.stride(), "fp32", config["block_m"], 128,
+                                     panels=env["dq_n"] // 32),)
 
 
 def encode(pair) -> bytes:

@@ -35,7 +35,7 @@ from kernelgen.tune import Problem, TuneError
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _PARAMS = ("head_dim", "dtype", "causal")
-_SM90_MAPS = ("tmap_q", "tmap_k", "tmap_v", "tmap_do")   # flash_attn_bwd_sm90's last arguments
+_SM90_MAPS = ("tmap_q", "tmap_k", "tmap_v", "tmap_do", "tmap_dq")  # flash_attn_bwd_sm90's last
 # What the check allows beyond the rule (see the module docstring).
 ZERO_DS_ALLOWANCE = 1e-4
 # Elements of the reference's (group, chunk, seqlen_k) score matrices: a few of them are live at
@@ -45,7 +45,7 @@ CHUNK_ELEMENTS = 1 << 26
 
 def feeds(spec) -> bool:
     """Whether this module makes the inputs of `spec`: flash_attn_bwd's args (the Hopper main
-    kernel's add four tensor maps, which backward._run appends) and params."""
+    kernel's add five tensor maps, which backward._run appends) and params."""
     names = tuple(a.name for a in load_spec(backward.MAIN_SPEC).args)
     return (tuple(a.name for a in spec.args) in (names, names + _SM90_MAPS)
             and {p.name for p in spec.params} == set(_PARAMS))

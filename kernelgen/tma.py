@@ -5,7 +5,8 @@ load copies into shared memory, with the swizzle wgmma expects. The attention op
 seqlen, heads, head_dim) with free strides, become rank-5 maps {panel, seqlen, head_dim / panel,
 heads, batch}: a panel is the 64 (128B swizzle) or 32 (64B swizzle) head_dim columns one swizzled
 shared-memory row holds, and the box {panel, rows, head_dim / panel, 1, 1} writes a whole tile as
-consecutive panels in one instruction (ThunderKittens' layout). Rows past the tensor's end are
+consecutive panels in one instruction (ThunderKittens' layout); an fp32 panel
+(the backward's dQ accumulator) is 32 columns at 128B swizzle. Rows past the tensor's end are
 zero-filled by a load and left alone by a store (the output's map, box {panel, rows, 1, 1, 1}). Building a `TiledMap` needs no driver (tests check it on CPU); `encode` calls
 cuTensorMapEncodeTiled once per layout and address, and once the driver's maps are seen to hold
 the address in their first word, a new address of a known layout is patched in, not encoded.
@@ -15,8 +16,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-ELEMENT_BYTES = 2
-DTYPES = ("fp16", "bf16")
+ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}  # fp32: the backward's dQ accumulator
+DTYPES = tuple(ELEMENT_BYTES)
 SWIZZLES = (64, 128)  # bytes per shared-memory row of a panel
 MAX_BOX = 256         # elements per box dimension
 MAP_BYTES = 128
@@ -25,7 +26,7 @@ MAP_BYTES = 128
 @dataclass(frozen=True)
 class TiledMap:
     """Every argument of cuTensorMapEncodeTiled except the global address."""
-    dtype: str                   # "fp16" | "bf16"
+    dtype: str                   # "fp16" | "bf16" | "fp32"
     dims: tuple[int, ...]        # elements per dimension, innermost first
     strides: tuple[int, ...]     # bytes between consecutive indices of dims[1:]
     box: tuple[int, ...]         # elements one load copies per dimension
@@ -44,14 +45,14 @@ def attention_map(shape, strides, dtype: str, rows: int, swizzle: int,
         raise ValueError(f"tensor maps take dtype {DTYPES}, got {dtype!r}")
     if swizzle not in SWIZZLES:
         raise ValueError(f"swizzle must be one of {SWIZZLES} bytes, got {swizzle}")
-    panel = swizzle // ELEMENT_BYTES
+    element = ELEMENT_BYTES[dtype]
+    panel = swizzle // element
     if head_dim % panel:
         raise ValueError(f"head_dim {head_dim} is not a multiple of the {panel}-column panel "
                          f"of {swizzle}B swizzle")
     if stride_d != 1 and head_dim > 1:
         raise ValueError(f"head_dim must be contiguous (stride 1), got stride {stride_d}")
-    byte_strides = (stride_s * ELEMENT_BYTES, swizzle, stride_h * ELEMENT_BYTES,
-                    stride_b * ELEMENT_BYTES)
+    byte_strides = (stride_s * element, swizzle, stride_h * element, stride_b * element)
     for name, value in zip(("seqlen", "heads", "batch"), byte_strides[::2]):
         if value % 16 or not 0 <= value < 2**40:
             raise ValueError(f"the {name} stride must be a multiple of 16 bytes below 2^40, "
@@ -116,7 +117,8 @@ def encode_arguments(tiled: TiledMap, address: int) -> tuple:
 
     u64, u32, rank = driver.cuuint64_t, driver.cuuint32_t, len(tiled.dims)
     dtype = {"fp16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-             "bf16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16}[tiled.dtype]
+             "bf16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+             "fp32": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32}[tiled.dtype]
     swizzle = {64: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B,
                128: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B}[tiled.swizzle]
     return (dtype, rank, address, [u64(d) for d in tiled.dims], [u64(s) for s in tiled.strides],

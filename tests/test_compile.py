@@ -212,6 +212,9 @@ def test_bwd_sm90_sass(cache_dir, index):
     assert found["HGMMA"] == 2 * head_dim // 16 + 2 * block_m // 16 + block_n // 16
     assert found["USETMAXREG"] == 2        # the producer's dec and the consumers' inc
     assert found["UTMALDG"] == 4           # K and V once, Q and dO per ring slot
+    # dQ by TMA reduce-adds (one per consumer's buffer), not atomics, except at head dim 96.
+    assert (found["UTMAREDG"] > 0, found["REDG"] > 0) == ((True, False) if head_dim != 96
+                                                          else (False, True))
     assert found["LDL"] + found["STL"] == 0
     assert (binary.spill_stores, binary.spill_loads, binary.stack_bytes) == (0, 0, 0)
     assert "(C75" not in binary.log, binary.log

@@ -8,7 +8,7 @@
 // summed over the heads / heads_k query heads of each kv head (GQA). q, dout: (batch, seqlen_q,
 // heads, head_dim); k, v, dk, dv: (batch, seqlen_k, heads_k, head_dim); lse, dsum: (batch, heads,
 // seqlen_q) fp32; dq_accum: (batch, seqlen_q, heads, head_dim) fp32. Q, K, V, dO are read through
-// the tensor maps (their pointers and strides are for the host).
+// the tensor maps (their pointers and strides are for the host), dQ added through tmap_dq.
 // A spec's mods (the Mods struct below, if it has any; their arguments follow the tensor maps)
 // apply as in flash_attn_bwd:
 //   P[i, j] = exp(score_mod(scale * Q[i] . K[j]) - LSE[i]) (0 where mask_mod hides the pair),
@@ -95,7 +95,7 @@ struct DqGemm {
 using Config = kg::BwdSm90Config<elem_t, /*HEAD_DIM=*/96, /*BLOCK_M=*/64,
                                  /*BLOCK_N=*/128, /*STAGES=*/2,
                                  /*CAUSAL=*/false, SdpGemm, DkvGemm, DqGemm>;
-static_assert(Config::kSmemBytes == 133208, "spec's smem formula disagrees with the kernel");
+static_assert(Config::kSmemBytes == 133272, "spec's smem formula disagrees with the kernel");
 static_assert(Config::kThreads == 384, "spec's thread count disagrees with the kernel");
 static_assert(Config::kSwizzle == 64, "the host's tensor maps use the spec's swizzle");
 static_assert(Config::kConsumerRegs == 240, "spec's register budget disagrees");
@@ -103,7 +103,7 @@ static_assert(Config::kDqN == 96, "spec's dQ split disagrees with the kernel");
 
 // minBlocksPerSM = 1 gives ptxas the entry register count, without which setmaxnreg is dropped.
 extern "C" __global__ void __launch_bounds__(Config::kThreads, 1)
-flash_attn_bwd_sm90(const elem_t* q, const elem_t* k, const elem_t* v, const elem_t* dout, const float* lse, const float* dsum, float* dq_accum, elem_t* dk, elem_t* dv, long long q_stride_b, long long q_stride_s, long long q_stride_h, long long k_stride_b, long long k_stride_s, long long k_stride_h, long long v_stride_b, long long v_stride_s, long long v_stride_h, long long do_stride_b, long long do_stride_s, long long do_stride_h, long long dk_stride_b, long long dk_stride_s, long long dk_stride_h, long long dv_stride_b, long long dv_stride_s, long long dv_stride_h, int batch, int heads, int heads_k, int seqlen_q, int seqlen_k, float softmax_scale, const __grid_constant__ kg::TensorMap tmap_q, const __grid_constant__ kg::TensorMap tmap_k, const __grid_constant__ kg::TensorMap tmap_v, const __grid_constant__ kg::TensorMap tmap_do) {
+flash_attn_bwd_sm90(const elem_t* q, const elem_t* k, const elem_t* v, const elem_t* dout, const float* lse, const float* dsum, float* dq_accum, elem_t* dk, elem_t* dv, long long q_stride_b, long long q_stride_s, long long q_stride_h, long long k_stride_b, long long k_stride_s, long long k_stride_h, long long v_stride_b, long long v_stride_s, long long v_stride_h, long long do_stride_b, long long do_stride_s, long long do_stride_h, long long dk_stride_b, long long dk_stride_s, long long dk_stride_h, long long dv_stride_b, long long dv_stride_s, long long dv_stride_h, int batch, int heads, int heads_k, int seqlen_q, int seqlen_k, float softmax_scale, const __grid_constant__ kg::TensorMap tmap_q, const __grid_constant__ kg::TensorMap tmap_k, const __grid_constant__ kg::TensorMap tmap_v, const __grid_constant__ kg::TensorMap tmap_do, const __grid_constant__ kg::TensorMap tmap_dq) {
     const kg::BwdArgs<elem_t> args{q, k, v, dout, lse, dsum, dq_accum, dk, dv,
                                    q_stride_b, q_stride_s, q_stride_h,
                                    k_stride_b, k_stride_s, k_stride_h,
@@ -112,5 +112,5 @@ flash_attn_bwd_sm90(const elem_t* q, const elem_t* k, const elem_t* v, const ele
                                    dk_stride_b, dk_stride_s, dk_stride_h,
                                    dv_stride_b, dv_stride_s, dv_stride_h,
                                    batch, heads, heads_k, seqlen_q, seqlen_k, softmax_scale};
-    kg::flash_bwd_sm90<Config>(args, tmap_q, tmap_k, tmap_v, tmap_do);
+    kg::flash_bwd_sm90<Config>(args, tmap_q, tmap_k, tmap_v, tmap_do, tmap_dq);
 }

@@ -35,6 +35,7 @@
 struct emu_dim3 { unsigned x = 0, y = 0, z = 0; };
 struct uint4 { unsigned x, y, z, w; };
 struct float2 { float x, y; };
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
 struct float4 { float x, y, z, w; };
 
 inline emu_dim3 threadIdx, blockIdx, gridDim, blockDim;

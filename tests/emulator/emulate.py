@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kernelgen import render
+from kernelgen import render, tma
 from kernelgen.spec import REPO_ROOT
 
 HERE = Path(__file__).resolve().parent
@@ -92,8 +92,8 @@ def _launch_geometry(spec, variant, config, scalars: dict):
 
 def _map_words(tiled, offset: int) -> list[int]:
     """sm90_emu.h's MapFields for a kernelgen.tma.TiledMap, as 16 words (the address an offset)."""
-    fields = struct.pack("<Q5Q4Q5III", offset, *tiled.dims, *tiled.strides, *tiled.box,
-                         tiled.swizzle, len(tiled.dims))
+    fields = struct.pack("<Q5Q4Q5IIII", offset, *tiled.dims, *tiled.strides, *tiled.box,
+                         tiled.swizzle, len(tiled.dims), tma.ELEMENT_BYTES[tiled.dtype])
     return list(struct.unpack("<16Q", fields.ljust(128, b"\0")))
 
 

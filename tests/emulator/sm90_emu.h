@@ -50,7 +50,7 @@ struct TmaCopy { unsigned bar; long bytes; std::vector<std::pair<unsigned, uint1
 // what cuTensorMapEncodeTiled receives (the address made absolute by harness.h).
 struct MapFields {
     uint64_t address, dims[5], strides[4];
-    uint32_t box[5], swizzle, rank;
+    uint32_t box[5], swizzle, rank, element_bytes;  // 2 (fp16, bf16) or 4 (fp32)
 };
 
 struct Sm90State {
@@ -200,6 +200,7 @@ inline void tma_load(unsigned dst, const void* map_bytes, unsigned bar, const in
     MapFields m;
     memcpy(&m, map_bytes, sizeof m);
     if (m.rank != 5) fail("tensor map rank", m.rank);
+    if (m.element_bytes != 2) fail("TMA loads of 16-bit elements only", m.element_bytes);
     if (m.box[0] * 2 != m.swizzle) fail("box inner dimension is not the swizzle span", m.box[0]);
     if (dst % 1024) fail("swizzled TMA destination not 1024-byte aligned", dst);
     TmaCopy c{bar, 0, {}};

@@ -21,6 +21,8 @@
 #                                  #   git archive a0ac66e | tar -x -C .ab/old), kernel times, then the bench
 #   bash tools/wip/next.sh bwdgpu  # ~6 min: the backward GPU tests and memcheck of the mask mods
 #   bash tools/wip/next.sh bwdstalls # ~2 min: PC sampling of the plain and the packed backward (§87's lead)
+#   bash tools/wip/next.sh dqtma   # ~9 min: §88's dQ by TMA reduce-adds: GPU tests, memcheck, kernel
+#                                  #   times against the tree before (carry .ab/old: git archive 5a89f03), bench
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
@@ -79,5 +81,19 @@ case $1 in
   bwdstalls) # where the backward's consumers wait: the dQ atomics (RED) or the GEMMs? (§87's lead)
          STEPS=ncusrc T_ncusrc=120 NCU_CASES="flash_attn_bwd_sm90@--backward --seqlen 4096;flash_attn_bwd_sm90@--backward --seqlen 4096 --mod packed" \
            bash tools/h200_run.sh 2>&1 | tee "$OUT/bwdstalls.txt" | grep -E "^---|instructions|by opcode|RED|^ *[0-9.]+% +[0-9.]+% " | head -70 ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls"; exit 2 ;;
+  dqtma) # dQ by TMA reduce-adds (PERF_NOTES §88): correctness first, then old (.ab/old) against new
+         [ -d .ab/old/kernelgen ] || { echo "carry .ab/old (git archive 5a89f03)"; exit 2; }
+         PYTEST_ARGS="tests/test_mods_bwd_gpu.py tests/test_bwd_sm90_gpu.py" \
+           STEPS=pytest T_pytest=200 bash tools/h200_run.sh 2>&1 | tail -3
+         STEPS=memcheck T_memcheck=150 RAGGED_ARGS="--mask-mods 64 128" bash tools/h200_run.sh 2>&1 | tail -3
+         kt() { (cd "$1" && PYTHONPATH=. timeout 90 python3 "$R/tools/wip/bwd_kernels.py" "${@:3}" 2>&1 \
+                  | grep -E "^---|bwd_sm90" | sed "s|^|$2 |"); }
+         for r in 1 2; do kt .ab/old old$r --mods document packed window; kt . new$r --mods document packed window; done \
+           | tee "$OUT/dqtma.txt"
+         for tree in .ab/old .; do kt $tree "$tree c128" --causal --mods packed; kt $tree "$tree f64" --head-dim 64 --mods packed; done \
+           | tee "$OUT/dqtma2.txt"
+         PYTHONPATH=. timeout 150 python3 -m kernelgen.cli bench --pass bwd --head-dims 64 128 \
+           --seqlens 1024 4096 16384 --systems kernelgen sdpa_cudnn sdpa_flash --out "$OUT" 2>&1 \
+           | tee "$OUT/bwdgrid.txt" | tail -16 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma"; exit 2 ;;
 esac

@@ -39,18 +39,33 @@ struct BwdSm90Config {
     static constexpr u32 kTileDs = BLOCK_N * BLOCK_M * 2;
     static constexpr u32 kOffK = 0, kOffV = kTileKV, kOffQ = 2 * kTileKV;
     static constexpr u32 kOffDo = kOffQ + STAGES * kTileQ, kOffDs = kOffDo + STAGES * kTileQ;
-    static constexpr u32 kOffStats = kOffDs + 2 * kTileDs;   // [STAGES][LSE * log2e, D][BLOCK_M]
+    // dQ * scale of one consumer's pair in fp32 for the TMA reduce-add into dq_accum: panels of
+    // 32 columns (128 bytes a row, 128B-swizzled, so the accumulator's float2 stores from 8 rows
+    // a warp meet no bank twice), one buffer per consumer warpgroup.
+    // Not at head dim 96, whose consumers keep red.global.add: ptxas spilled 24-72 bytes there
+    // with the shared-memory stores, however their addresses were computed.
+    static constexpr bool kDqTma = HEAD_DIM != 96;
+    static constexpr int kDqPanel = 32;
+    static constexpr u32 kTileDq = kDqTma ? BLOCK_M * kDqN * 4 : 0;
+    static constexpr u32 kOffDq = kOffDs + 2 * kTileDs;
+    static constexpr u32 kOffStats = kOffDq + kConsumers * kTileDq;  // [STAGES][LSE * log2e, D][BLOCK_M]
     // [STAGES] int4: the slot's pair (head, m0, partial) where the walk reads memory (BwdSlotPair)
     static constexpr u32 kOffPairs = kOffStats + STAGES * 2 * BLOCK_M * 4;
-    static constexpr u32 kOffBarriers = kOffPairs + STAGES * 16;
-    static constexpr int kBarriers = 3 * STAGES + 1;          // full[], empty[], full_kv, pair[]
+    // [kConsumers] int4: the pair whose dQ a consumer's buffer holds (BwdSlotPair), for the
+    // reducing thread
+    static constexpr u32 kOffDqPairs = kOffPairs + STAGES * 16;
+    static constexpr u32 kOffBarriers = kOffDqPairs + kConsumers * 16;
+    // full[], empty[], full_kv, pair[], dq_full[], dq_empty[]
+    static constexpr int kBarriers = 3 * STAGES + 1 + 2 * kConsumers;
     static constexpr u32 kSmemBytes = 1024 + kOffBarriers + 8 * kBarriers;  // + 1024: realignment
     static constexpr int kStatsArrivals = 32;                 // the stats warp's lanes
 
     static_assert(BLOCK_N == 128, "two consumer warpgroups of 64 keys");
     static_assert(BLOCK_M == 64, "dQ's M is one wgmma (and dS^T one 64-query panel)");
     static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "whole 64B panels; wgmma N <= 256");
-    static_assert(kTileQ % 1024 == 0 && kTileKV % 1024 == 0, "every panel stays 1024-aligned");
+    static_assert(kTileQ % 1024 == 0 && kTileKV % 1024 == 0 && kTileDq % 1024 == 0,
+                  "every panel stays 1024-aligned");
+    static_assert(!kDqTma || kDqN % kDqPanel == 0, "dQ's buffer is whole fp32 panels");
     static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "register file");
     static_assert(STAGES >= 2, "a ring of one stage cannot overlap loads with math");
 };
@@ -63,6 +78,11 @@ struct BwdSm90Barriers {
     __device__ __forceinline__ u32 full_kv() const { return base + 8 * (2 * C::kStages); }
     // The slot's pair is written (kBwdSlotPairs): the loads' warp to the stats warp.
     __device__ __forceinline__ u32 pair(int s) const { return base + 8 * (2 * C::kStages + 1 + s); }
+    // A consumer's dQ buffer is written (its 4 warps), then read by the reduce-add (the reducer).
+    __device__ __forceinline__ u32 dq_full(int wg) const { return base + 8 * (3 * C::kStages + 1 + wg); }
+    __device__ __forceinline__ u32 dq_empty(int wg) const {
+        return base + 8 * (3 * C::kStages + 1 + C::kConsumers + wg);
+    }
 };
 
 }  // namespace kg

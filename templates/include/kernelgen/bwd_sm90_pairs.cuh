@@ -174,4 +174,14 @@ struct alignas(16) BwdSlotPair {
     int head, m0, partial, unused;
 };
 
+// The ring's slot pairs (kBwdSlotPairs; [STAGES]) and the consumers' dQ pairs ([kConsumers]).
+template <class C>
+__device__ __forceinline__ BwdSlotPair* slot_pairs(unsigned char* tiles) {
+    return reinterpret_cast<BwdSlotPair*>(tiles + C::kOffPairs);
+}
+template <class C>
+__device__ __forceinline__ BwdSlotPair* dq_pairs(unsigned char* tiles) {
+    return reinterpret_cast<BwdSlotPair*>(tiles + C::kOffDqPairs);
+}
+
 }  // namespace kg

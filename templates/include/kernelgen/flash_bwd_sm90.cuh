@@ -1,7 +1,7 @@
 // FlashAttention backward for Hopper (sm_90a), main kernel: TMA loads, an mbarrier ring, wgmma and
 // warp specialization, following FA3's backward. It computes what flash_bwd_sm80.cuh computes
-// (same BwdArgs; dK, dV per KV tile, dQ added with fp32 atomics into dq_accum, which must not be
-// null here), so the prep kernel and the dQ cast around it stay the same.
+// (same BwdArgs; dK, dV per KV tile, dQ added in fp32 into dq_accum, which must not be null here),
+// so the prep kernel and the dQ cast around it stay the same.
 //
 // One CTA owns BLOCK_N = 128 keys of one (kv head, batch). Warpgroup 0 is the producer (after
 // setmaxnreg.dec): thread 0 loads K and V once and then, through a STAGES-deep ring, the Q and dO
@@ -15,13 +15,23 @@
 //                                              register layout (wgmma.cuh); dO, Q read MN-major
 //     dQ = dS K                                SS wgmma with A = dS^T from shared memory read
 //                                              transposed (imm-trans-a, 16-bit types only) and
-//                                              B = K MN-major; then red.global.add into dq_accum
+//                                              B = K MN-major; then * scale into the consumer's
+//                                              fp32 buffer, which warp 2 of the producer adds
+//                                              into dq_accum by a TMA reduce-add
 // dQ needs every key's dS, so both consumers write their dS^T rows to shared memory and meet at a
 // named barrier; then warpgroup w computes head_dim columns w * HEAD_DIM / 2.. of it (head_dim
 // 128), or all of it for the pairs it with it % 2 == w (head dims 64 and 96: half of head_dim is
 // not a whole number of panels of K). dS^T is double-buffered by pair parity: a warpgroup writes
 // buffer it % 2 only after both passed the barrier of pair it - 1, by which time each had retired
 // its dQ wgmma of pair it - 2, the last reader of that buffer.
+// The dQ adds went out as red.global.add.v2.f32 from the consumers before: per pair 16 (head dim
+// 128) to 32 of them a thread, and their stalls on releasing address and data registers made
+// about a fifth of the stall samples (hd128) (PERF_NOTES §88). Now a consumer stores its dQ
+// part to shared memory, arrives on dq_full[wg] (with the pair in dq_pairs), and the reducing
+// thread issues one bulk reduce-add of the box, waits until it has read the buffer and arrives on
+// dq_empty[wg], which the consumer waits on before its next dQ store (one buffer each: the
+// reduce reads 16 KiB in well under a pair's time). Not at head dim 96 (kDqTma: its consumers
+// spilled), which keeps the atomics.
 //
 // Ring: full[s] completes on the producer's expect_tx (Q + dO bytes) plus one arrival per lane of
 // the stats warp; empty[s] on one arrival per consumer warp once its wgmmas that read the slot
@@ -41,8 +51,8 @@
 // the GQA group, partial ones (mask_mod per element) first; thread 0 reads the lists and hands
 // the pairs on the same way (but at head dim 96, where every role reads them).
 //
-// Shared memory (1024-aligned): K | V | STAGES x Q | STAGES x dO | 2 x dS^T | STAGES x (LSE, D) |
-// STAGES x the pair (kBwdSlotPairs) | barriers. Q, K, V, dO tiles are panels of 64
+// Shared memory (1024-aligned): K | V | STAGES x Q | STAGES x dO | 2 x dS^T | 2 x dQ (fp32) |
+// STAGES x (LSE, D) | STAGES x the pair (kBwdSlotPairs) | 2 x dQ's pair | barriers. Q, K, V, dO tiles are panels of 64
 // (128B-swizzled) or 32 (64B) head_dim columns as TMA writes them (the forward's layout,
 // flash_fwd_sm90.cuh); dS^T is [key][query], one 128B panel of 64 queries.
 #pragma once
@@ -52,6 +62,7 @@
 #include "kernelgen/bwd_sm90_probs.cuh"
 #include "kernelgen/mbarrier.cuh"
 #include "kernelgen/tma.cuh"
+#include "kernelgen/tma_store.cuh"
 #include "kernelgen/wgmma.cuh"
 
 namespace kg {
@@ -112,8 +123,7 @@ __device__ __forceinline__ void bwd_produce_stats(const BwdArgs<typename C::Elem
         BwdPair pair;
         if constexpr (kBwdSlotPairs<C, Mods>) {  // the loads' warp has waited for the slot's empty
             mbarrier_wait(bar.pair(it % C::kStages), u32(it / C::kStages) & 1);
-            const BwdSlotPair found =
-                reinterpret_cast<const BwdSlotPair*>(tiles + C::kOffPairs)[it % C::kStages];
+            const BwdSlotPair found = slot_pairs<C>(tiles)[it % C::kStages];
             pair = BwdPair{found.head, found.m0, false};
         } else {
             pair = walk.step(it);
@@ -130,6 +140,30 @@ __device__ __forceinline__ void bwd_produce_stats(const BwdArgs<typename C::Elem
             stats[C::kBlockM + r] = inside ? a.dsum[row0 + r] : 0.f;
         }
         mbarrier_arrive(bar.full(s));
+    }
+}
+
+// Warp 2's lane 0: each consumer's dQ part, once its buffer is written (dq_full), added into
+// dq_accum by one TMA reduce-add of the box (rows past seqlen_q are outside the map: not
+// written); the buffer is handed back (dq_empty) once the copy has read it.
+template <class C>
+__device__ __forceinline__ void bwd_reduce_dq(unsigned char* tiles, u32 base, BwdSm90Barriers<C> bar,
+                                              const TensorMap& map_dq, const BwdWork& w) {
+    tma_prefetch(map_dq);
+    for (int it = 0; it < w.n_iter; ++it) {
+        #pragma unroll
+        for (int wg = 0; wg < C::kConsumers; ++wg) {
+            if (!C::kDqHalves && it % 2 != wg) continue;  // dQ taken in turns
+            const u32 use = C::kDqHalves ? it : it / 2;    // the buffer's uses so far
+            mbarrier_wait(bar.dq_full(wg), use & 1);
+            const BwdSlotPair pair = dq_pairs<C>(tiles)[wg];
+            const int col0 = C::kDqHalves ? wg * C::kDqN : 0;
+            tma_reduce_add_5d(map_dq, base + C::kOffDq + wg * C::kTileDq, 0, pair.m0,
+                              col0 / C::kDqPanel, pair.head, w.batch);
+            bulk_commit_group();
+            bulk_wait_group_read<0>();
+            mbarrier_arrive(bar.dq_empty(wg));
+        }
     }
 }
 
@@ -170,11 +204,58 @@ __device__ __forceinline__ void issue_dq(float (&acc)[C::kDqN / 2], u64 desc_ds,
 }
 
 // Byte offset of element (row, col) of a tile of `rows` rows stored as panels of SWIZZLE / 2
-// columns.
+// columns (16-bit elements; dq_offset: dQ's fp32 panels of 32).
 template <int SWIZZLE>
 __device__ __forceinline__ u32 panel_offset_bwd(int rows, int row, int col) {
     return (col / (SWIZZLE / 2)) * rows * SWIZZLE +
            swizzle<SWIZZLE>(row * SWIZZLE + (col % (SWIZZLE / 2)) * 2);
+}
+
+template <class C>
+__device__ __forceinline__ u32 dq_offset(int row, int col) {
+    return (col / C::kDqPanel) * C::kBlockM * 128 + swizzle<128>(row * 128 + (col % C::kDqPanel) * 4);
+}
+
+// This warpgroup's scale * dQ (use `use` of its buffer) into its fp32 buffer for bwd_reduce_dq,
+// once the buffer's last add has read it; then the pair it belongs to, and dq_full.
+template <class C>
+__device__ __forceinline__ void bwd_stage_dq(unsigned char* tiles, BwdSm90Barriers<C> bar,
+                                             const float (&acc_dq)[C::kDqN / 2], float scale, int wg,
+                                             int use, int head, int m0) {
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    mbarrier_wait(bar.dq_empty(wg), (u32(use) & 1) ^ 1);
+    unsigned char* dq_tile = tiles + C::kOffDq + wg * C::kTileDq;
+    const int row = 16 * warp + lane / 4, col = 2 * (lane % 4);
+    #pragma unroll
+    for (int h = 0; h < 2; ++h)
+        #pragma unroll
+        for (int i = 0; i < C::kDqN / 8; ++i)
+            *reinterpret_cast<float2*>(dq_tile + dq_offset<C>(row + 8 * h, col + 8 * i)) =
+                make_float2(acc_dq[4 * i + 2 * h] * scale, acc_dq[4 * i + 2 * h + 1] * scale);
+    fence_proxy_async_shared();
+    __syncwarp();
+    if (lane == 0) {
+        if (warp == 0) dq_pairs<C>(tiles)[wg] = BwdSlotPair{head, m0, 0, 0};
+        mbarrier_arrive(bar.dq_full(wg));
+    }
+}
+
+// Without kDqTma: dq_accum[q_row (and + 8), head, col..] += scale * dQ by fp32 atomics, rows past
+// seqlen_q skipped.
+template <class C>
+__device__ __forceinline__ void bwd_red_dq(const BwdArgs<typename C::Elem>& a,
+                                           const float (&acc_dq)[C::kDqN / 2], int batch, int head,
+                                           int q_row, int col) {
+    const i64 row_stride = i64(a.heads) * C::kHeadDim;
+    float* dq = a.dq_accum + (i64(batch) * a.seqlen_q + q_row) * row_stride + head * C::kHeadDim + col;
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        if (q_row + 8 * h >= a.seqlen_q) continue;
+        #pragma unroll
+        for (int i = 0; i < C::kDqN / 8; ++i)
+            red_add_f32x2(dq + 8 * h * row_stride + 8 * i, acc_dq[4 * i + 2 * h] * a.softmax_scale,
+                          acc_dq[4 * i + 2 * h + 1] * a.softmax_scale);
+    }
 }
 
 // One consumer warpgroup: keys kv0 + 64 * wg .. + 63 of the CTA's tile.
@@ -223,7 +304,7 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
         const float* dsum = lse2 + C::kBlockM;
         mbarrier_wait(bar.full(s), u32(it / C::kStages) & 1);
         if constexpr (kBwdSlotPairs<C, Mods>) {  // the producer's record of the slot's pair
-            const BwdSlotPair found = reinterpret_cast<const BwdSlotPair*>(tiles + C::kOffPairs)[s];
+            const BwdSlotPair found = slot_pairs<C>(tiles)[s];
             pair = BwdPair{found.head, found.m0, found.partial != 0};
         }
         const int head = pair.head, m0 = pair.m0;
@@ -335,22 +416,16 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
         __syncwarp();  // every lane's reads of the slot's LSE and D are done
         if (lane == 0) mbarrier_arrive(bar.empty(s));
 
-        // dq_accum[query, head, :] += scale * dQ, rows past seqlen_q skipped.
+        // scale * dQ to this warpgroup's buffer, for the reducer's add into dq_accum[query,
+        // head, dq_col0..] once the buffer's last add has read it (kDqTma; else added here).
         if (!dq_here) continue;
         if constexpr (C::kDqHalves) wgmma_wait<0>();
         fence_operands(acc_dq);
-        const i64 row_stride = i64(a.heads) * C::kHeadDim;
-        const int q_row = m0 + 16 * warp + lane / 4;
-        float* dq = a.dq_accum + (i64(w.batch) * a.seqlen_q + q_row) * row_stride +
-                    head * C::kHeadDim + dq_col0 + lane_col;
-        #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            if (q_row + 8 * h >= a.seqlen_q) continue;
-            #pragma unroll
-            for (int i = 0; i < C::kDqN / 8; ++i)
-                red_add_f32x2(dq + 8 * h * row_stride + 8 * i, acc_dq[4 * i + 2 * h] * a.softmax_scale,
-                              acc_dq[4 * i + 2 * h + 1] * a.softmax_scale);
-        }
+        if constexpr (C::kDqTma)
+            bwd_stage_dq<C>(tiles, bar, acc_dq, a.softmax_scale, wg, C::kDqHalves ? it : it / 2,
+                            head, m0);
+        else
+            bwd_red_dq<C>(a, acc_dq, w.batch, head, m0 + 16 * warp + lane / 4, dq_col0 + lane_col);
     }
 
     // Epilogue: dK * scale and dV to 16 bits, staged in this warp's own rows of the K and V tiles
@@ -403,7 +478,7 @@ template <class C, class Mods = NoMods>
 __device__ __forceinline__ void flash_bwd_sm90(const BwdArgs<typename C::Elem>& a,
                                                const TensorMap& map_q, const TensorMap& map_k,
                                                const TensorMap& map_v, const TensorMap& map_do,
-                                               const Mods& mods = Mods{}) {
+                                               const TensorMap& map_dq, const Mods& mods = Mods{}) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const BwdWork w = bwd_work<C>(a, mods);
     if (w.n_iter == 0) {  // no barriers, no loads
@@ -423,6 +498,10 @@ __device__ __forceinline__ void flash_bwd_sm90(const BwdArgs<typename C::Elem>& 
         mbarrier_init(bar.full_kv(), 1);
         if constexpr (kBwdSlotPairs<C, Mods>)
             for (int s = 0; s < C::kStages; ++s) mbarrier_init(bar.pair(s), 1);
+        for (int wg = 0; C::kDqTma && wg < C::kConsumers; ++wg) {
+            mbarrier_init(bar.dq_full(wg), 4);  // one arrival per warp of the consumer
+            mbarrier_init(bar.dq_empty(wg), 1);
+        }
         mbarrier_fence_init();
     }
     __syncthreads();  // the last CTA-wide barrier: the producer's idle warps exit below
@@ -431,10 +510,12 @@ __device__ __forceinline__ void flash_bwd_sm90(const BwdArgs<typename C::Elem>& 
     if (threadIdx.x < 128) {
         setmaxnreg_dec<C::kProducerRegs>();
         if (kBwdSkipPairs<Mods> ? threadIdx.x < 32 : threadIdx.x == 0)
-            bwd_produce_tiles<C>(base, reinterpret_cast<BwdSlotPair*>(tiles + C::kOffPairs), bar,
-                                 map_q, map_k, map_v, map_do, walk);
+            bwd_produce_tiles<C>(base, slot_pairs<C>(tiles), bar, map_q, map_k, map_v, map_do,
+                                 walk);
         else if (threadIdx.x / 32 == 1)
             bwd_produce_stats<C>(a, tiles, bar, walk, threadIdx.x % 32);
+        else if (C::kDqTma && threadIdx.x == 64)
+            bwd_reduce_dq<C>(tiles, base, bar, map_dq, w);
         return;
     }
     setmaxnreg_inc<C::kConsumerRegs>();

@@ -9,6 +9,11 @@ inline void tma_store_5d(const TensorMap& map, u32 src, int c0, int c1, int c2, 
     emu::tma_store(&map, src, {c0, c1, c2, c3, c4});
 }
 
+inline void tma_reduce_add_5d(const TensorMap& map, u32 src, int c0, int c1, int c2, int c3,
+                              int c4) {
+    emu::tma_store(&map, src, {c0, c1, c2, c3, c4}, /*add=*/true);
+}
+
 inline void bulk_commit_group() { emu::bulk_commit(); }
 
 template <int N>
