@@ -5,7 +5,7 @@ Launches on torch's current stream, without host synchronization:
   2. flash_attn_bwd: dK and dV per KV tile (the query heads of a GQA group summed in registers),
      and dQ * scale added into the accumulator with fp32 atomics; dQ is the accumulator cast to
      the input dtype. On compute capability 9.0 (head dims 64, 96, 128; not deterministic)
-     flash_attn_bwd_sm90 does the same with wgmma
+     flash_attn_bwd_sm90 does the same with wgmma, adding dQ by TMA reduce-adds
      (backward_sm90, with or without mods; KERNELGEN_BACKWARD=sm80 keeps flash_attn_bwd).
 With deterministic=True, step 2 runs without atomics and flash_attn_bwd_dq computes dQ per query
 tile (recomputing P and dP), so that the gradients are bitwise identical from run to run.

@@ -4,9 +4,9 @@ problem, the correctness check of a config against float32 gradients, and what i
 A candidate is a config of the main kernel. A timed run is everything one backward call launches
 with it (backward._run on buffers allocated once): prep, main, and the cast of the fp32 dQ
 accumulator to the input dtype. Prep is in the run because it zeroes that accumulator, which the
-main kernel's atomics add into: a run without it would add onto the previous run's dQ. Prep and
-the cast do not depend on the main config, so they shift every candidate by the same time, and
-the total is what a training step pays.
+main kernel's atomics (or TMA reduce-adds) add into: a run without it would add onto the previous
+run's dQ. Prep and the cast do not depend on the main config, so they shift every candidate by
+the same time, and the total is what a training step pays.
 
 The check poisons D, the accumulator and the gradients (NaN), runs the candidate once, requires
 every element of dq, dk and dv to be finite (an element never written stays NaN), and compares
