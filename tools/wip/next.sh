@@ -1,7 +1,7 @@
 #!/bin/bash
 # The next device session's plan (tools/wip/README.md), one stage per device call, logs under
 # $OUT; each stage prints a short table last.
-#   bash tools/wip/next.sh suite   # ~7.5 min: the whole GPU suite on HEAD
+#   bash tools/wip/next.sh suite   # ~9.5 min: the whole GPU suite on HEAD (-v: failures named)
 #   bash tools/wip/next.sh confirm # ~3 min: session 30's merges (measured on an H100) on the H200
 #   bash tools/wip/next.sh grid    # ~4 min: the forward grid against cuDNN (after a winner ships)
 #   HD=256 bash tools/wip/next.sh retune  # <= 9 min: hd256 (then HD=192) causal 2k-16k tuned, grid_order searched
@@ -29,7 +29,7 @@ export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 cd "$R" || exit 1
 case $1 in
-  suite) STEPS=all T_all=540 bash tools/h200_run.sh 2>&1 | tail -6 ;;
+  suite) STEPS=all T_all=570 bash tools/h200_run.sh 2>&1 | tail -12 ;;
   confirm) LEADS=confirm LEAD_T=280 bash tools/wip/leads.sh 2>&1 | tee "$OUT/confirm.txt" | tail -30 ;;
   grid)  PYTHONPATH=. timeout 500 python3 -m kernelgen.cli bench --pass fwd --systems kernelgen sdpa_cudnn \
            --out "$OUT" 2>&1 | tee "$OUT/grid.txt" | tail -30 ;;
