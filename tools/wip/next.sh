@@ -79,7 +79,7 @@ case $1 in
            STEPS=pytest T_pytest=240 bash tools/h200_run.sh 2>&1 | tail -4
          STEPS=memcheck T_memcheck=200 RAGGED_ARGS="--mask-mods 64 128" bash tools/h200_run.sh 2>&1 | tail -4 ;;
   bwdstalls) # where the backward's consumers wait (§88: the atomics are gone at hd128; hd64 did not gain)
-         STEPS=ncusrc T_ncusrc=150 NCU_CASES="flash_attn_bwd_sm90@--backward --seqlen 4096;flash_attn_bwd_sm90@--backward --seqlen 4096 --mod packed;flash_attn_bwd_sm90@--backward --seqlen 4096 --head-dim 64" \
+         STEPS=ncusrc T_ncusrc=150 NCU_CASES="flash_attn_bwd_sm90@--backward --seqlen 4096;flash_attn_bwd_sm90@--backward --seqlen 4096 --mod packed;flash_attn_bwd_sm90@--backward --seqlen 4096 --head-dim 64;flash_attn_bwd_sm90@--backward --seqlen 1024 --causal" \
            bash tools/h200_run.sh 2>&1 | tee "$OUT/bwdstalls.txt" | grep -E "^---|instructions|by opcode|RED|^ *[0-9.]+% +[0-9.]+% " | head -70 ;;
   dqtma) # dQ by TMA reduce-adds (PERF_NOTES §88): correctness first, then old (.ab/old) against new
          [ -d .ab/old/kernelgen ] || { echo "carry .ab/old (git archive 5a89f03)"; exit 2; }
