@@ -26,6 +26,7 @@ SPEC = "flash_attn_bwd_sm90"
 # full 277 vs 217 and causal 145 vs 148 (PERF_NOTES §16): no sequence is short enough any more.
 SHORT_SEQLEN_K = 0
 _EMPTY_MAP = bytes(tma.MAP_BYTES)  # for empty Q or K/V
+_DQ_SWIZZLE = 128  # bytes a row of the fp32 dQ buffers' panels
 
 
 @functools.cache
@@ -109,9 +110,12 @@ def _layouts(kernel, tensors) -> tuple:
     rows = (config["block_m"], config["block_n"], config["block_n"], config["block_m"])
     maps = tuple(tma.attention_map(t.shape, t.stride(), dtype, r, env["swizzle"])
                  for t, r in zip(tensors, rows))
-    dq = tensors[4]  # 128B swizzle: 32 fp32 columns a panel (bwd_sm90_config.cuh kDqPanel)
-    return maps + (tma.attention_map(dq.shape, dq.stride(), "fp32", config["block_m"], 128,
-                                     panels=env["dq_n"] // 32),)
+    if not env["dq_tma"]:  # dQ by atomics: the map is not read
+        return maps + (_EMPTY_MAP,)
+    dq = tensors[4]  # fp32 panels of 128 bytes a row (bwd_sm90_config.cuh kDqSwizzle, kDqPanel)
+    panel = _DQ_SWIZZLE // tma.ELEMENT_BYTES["fp32"]
+    return maps + (tma.attention_map(dq.shape, dq.stride(), "fp32", config["block_m"],
+                                     _DQ_SWIZZLE, panels=env["dq_n"] // panel),)
 
 
 def encode(pair) -> bytes:

@@ -100,6 +100,7 @@ static_assert(Config::kThreads == 384, "spec's thread count disagrees with the k
 static_assert(Config::kSwizzle == 128, "the host's tensor maps use the spec's swizzle");
 static_assert(Config::kConsumerRegs == 240, "spec's register budget disagrees");
 static_assert(Config::kDqN == 64, "spec's dQ split disagrees with the kernel");
+static_assert(Config::kDqTma == true, "spec's dQ path disagrees with the kernel");
 
 // minBlocksPerSM = 1 gives ptxas the entry register count, without which setmaxnreg is dropped.
 extern "C" __global__ void __launch_bounds__(Config::kThreads, 1)

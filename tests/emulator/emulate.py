@@ -91,7 +91,10 @@ def _launch_geometry(spec, variant, config, scalars: dict):
 
 
 def _map_words(tiled, offset: int) -> list[int]:
-    """sm90_emu.h's MapFields for a kernelgen.tma.TiledMap, as 16 words (the address an offset)."""
+    """sm90_emu.h's MapFields for a kernelgen.tma.TiledMap, as 16 words (the address an offset);
+    a map the kernel never reads, given as its bytes, as they are."""
+    if isinstance(tiled, bytes):
+        return list(struct.unpack("<16Q", tiled))
     fields = struct.pack("<Q5Q4Q5IIII", offset, *tiled.dims, *tiled.strides, *tiled.box,
                          tiled.swizzle, len(tiled.dims), tma.ELEMENT_BYTES[tiled.dtype])
     return list(struct.unpack("<16Q", fields.ljust(128, b"\0")))

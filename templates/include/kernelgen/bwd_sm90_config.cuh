@@ -2,6 +2,7 @@
 // layout) and its mbarriers (flash_bwd_sm90.cuh says how the pipeline uses them).
 #pragma once
 #include "kernelgen/types.cuh"
+#include "kernelgen/wgmma_desc.cuh"  // swizzle
 
 namespace kg {
 
@@ -45,7 +46,7 @@ struct BwdSm90Config {
     // Not at head dim 96, whose consumers keep red.global.add: ptxas spilled 24-72 bytes there
     // with the shared-memory stores, however their addresses were computed.
     static constexpr bool kDqTma = HEAD_DIM != 96;
-    static constexpr int kDqPanel = 32;
+    static constexpr int kDqSwizzle = 128, kDqPanel = kDqSwizzle / 4;
     static constexpr u32 kTileDq = kDqTma ? BLOCK_M * kDqN * 4 : 0;
     static constexpr u32 kOffDq = kOffDs + 2 * kTileDs;
     static constexpr u32 kOffStats = kOffDq + kConsumers * kTileDq;  // [STAGES][LSE * log2e, D][BLOCK_M]
@@ -69,6 +70,14 @@ struct BwdSm90Config {
     static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "register file");
     static_assert(STAGES >= 2, "a ring of one stage cannot overlap loads with math");
 };
+
+// Byte offset of element (row, col) of a tile of `rows` rows stored as panels of SWIZZLE bytes a
+// row (SWIZZLE / ELEM columns: 16-bit Q, K, V, dO, dS^T; the fp32 dQ buffers, ELEM = 4).
+template <int SWIZZLE, int ELEM = 2>
+__device__ __forceinline__ u32 panel_offset_bwd(int rows, int row, int col) {
+    return (col / (SWIZZLE / ELEM)) * rows * SWIZZLE +
+           swizzle<SWIZZLE>(row * SWIZZLE + (col % (SWIZZLE / ELEM)) * ELEM);
+}
 
 template <class C>
 struct BwdSm90Barriers {

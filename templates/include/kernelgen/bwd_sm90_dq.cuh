@@ -9,20 +9,13 @@
 #include "kernelgen/bwd_sm90_pairs.cuh"  // BwdWork, BwdSlotPair
 #include "kernelgen/mbarrier.cuh"
 #include "kernelgen/tma_store.cuh"
-#include "kernelgen/wgmma_desc.cuh"     // swizzle
 
 namespace kg {
 
-// Byte offset of dQ element (row, col) in a consumer's buffer: panels of 32 fp32 columns, 128
-// bytes a row, 128B-swizzled as the map's box lands (the accumulator's float2 stores from a
-// warp's 8 rows then meet no bank twice).
-template <class C>
-__device__ __forceinline__ u32 dq_offset(int row, int col) {
-    return (col / C::kDqPanel) * C::kBlockM * 128 + swizzle<128>(row * 128 + (col % C::kDqPanel) * 4);
-}
-
 // This warpgroup's scale * dQ (use `use` of its buffer) into its fp32 buffer for bwd_reduce_dq,
-// once the buffer's last add has read it; then the pair it belongs to, and dq_full.
+// once the buffer's last add has read it; then the pair it belongs to, and dq_full. The buffer
+// is 128B-swizzled panels of 32 columns as the map's box lands: the accumulator's float2 stores
+// from a warp's 8 rows meet no bank twice.
 template <class C>
 __device__ __forceinline__ void bwd_stage_dq(unsigned char* tiles, BwdSm90Barriers<C> bar,
                                              const float (&acc_dq)[C::kDqN / 2], float scale, int wg,
@@ -35,7 +28,8 @@ __device__ __forceinline__ void bwd_stage_dq(unsigned char* tiles, BwdSm90Barrie
     for (int h = 0; h < 2; ++h)
         #pragma unroll
         for (int i = 0; i < C::kDqN / 8; ++i)
-            *reinterpret_cast<float2*>(dq_tile + dq_offset<C>(row + 8 * h, col + 8 * i)) =
+            *reinterpret_cast<float2*>(dq_tile + panel_offset_bwd<C::kDqSwizzle, 4>(
+                C::kBlockM, row + 8 * h, col + 8 * i)) =
                 make_float2(acc_dq[4 * i + 2 * h] * scale, acc_dq[4 * i + 2 * h + 1] * scale);
     fence_proxy_async_shared();
     __syncwarp();

@@ -181,14 +181,6 @@ __device__ __forceinline__ void issue_dq(float (&acc)[C::kDqN / 2], u64 desc_ds,
     wgmma_commit();
 }
 
-// Byte offset of element (row, col) of a tile of `rows` rows stored as panels of SWIZZLE / 2
-// columns (16-bit elements; bwd_sm90_dq.cuh's dq_offset: dQ's fp32 panels of 32).
-template <int SWIZZLE>
-__device__ __forceinline__ u32 panel_offset_bwd(int rows, int row, int col) {
-    return (col / (SWIZZLE / 2)) * rows * SWIZZLE +
-           swizzle<SWIZZLE>(row * SWIZZLE + (col % (SWIZZLE / 2)) * 2);
-}
-
 // One consumer warpgroup: keys kv0 + 64 * wg .. + 63 of the CTA's tile.
 template <class C, class Mods>
 __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, unsigned char* tiles,
