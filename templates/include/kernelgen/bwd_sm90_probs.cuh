@@ -29,6 +29,30 @@ __device__ __forceinline__ void fence_packed(Packed<N>& p) {
     for (int kk = 0; kk < N / 16; ++kk) fence_operands(p.r[kk]);
 }
 
+// This lane's two queries' stats (LSE * log2e, or D) in each of the pair's BLOCK_M / 8 column
+// groups, [i] giving group i's pair (the lane's lane_col and lane_col + 1; stats + 8 i in the
+// slot). Read into registers by load(), before the waits for S^T and dP^T, so the loads run
+// beside the GEMMs (PERF_NOTES §90); at head_dim 96, whose consumers sit at the register limit
+// (ptxas spilled 24-132 bytes with the early reads), read from shared memory where used.
+template <class C, bool EARLY = C::kHeadDim != 96>
+struct LaneStats {
+    float2 v[C::kBlockM / 8];
+    __device__ __forceinline__ void load(const float* stats) {
+        #pragma unroll
+        for (int i = 0; i < C::kBlockM / 8; ++i) v[i] = *reinterpret_cast<const float2*>(stats + 8 * i);
+    }
+    __device__ __forceinline__ float2 operator[](int i) const { return v[i]; }
+};
+
+template <class C>
+struct LaneStats<C, false> {
+    const float* p;
+    __device__ __forceinline__ void load(const float* stats) { p = stats; }
+    __device__ __forceinline__ float2 operator[](int i) const {
+        return *reinterpret_cast<const float2*>(p + 8 * i);
+    }
+};
+
 // Whether the mask_mod's verdicts are taken before the wait for S^T (bwd_mod_hidden_bits), or per
 // element in bwd_mod_probs_pass: head_dim 96's consumers sit at the register limit, and the
 // document's causal variant spills 4 bytes with the bits, before the wait or after it.
@@ -38,7 +62,7 @@ constexpr bool kEarlyModBits = C::kHeadDim != 96;
 // With mods: P^T in place of the raw scores S^T (acc_s) of one pair, every mask applied, packed
 // into p16 for dV; acc_s then holds P^T * score_mod_grad, which dS^T = acc_s * (dP^T - D) takes
 // as without mods. Element (i, e) is key key0 + 8 * (e / 2), query query0 + 8 * i + (e & 1);
-// lse2 points at the lane's first query's LSE * log2e. Indices are clamped into the sequences
+// lse2 holds the lane's queries' LSE * log2e (LaneStats). Indices are clamped into the sequences
 // for the mods (padding rows and columns are masked or never stored), as in flash_bwd_sm80.cuh.
 // MASKED: the pair needs a mask (need_mask, need_mod_mask say which); the pairs that need none
 // (all but the edges of a window or a document) take the copy without the per-element tests,
@@ -50,13 +74,14 @@ __device__ __forceinline__ void bwd_mod_probs_pass(float (&acc_s)[C::kBlockM / 2
                                                    Packed<C::kBlockM>& p16,
                                                    const BwdArgs<typename C::Elem>& a,
                                                    const Mods& mods, int batch, int head, int key0,
-                                                   int query0, const float* lse2, bool need_mask,
+                                                   int query0, const LaneStats<C>& lse2,
+                                                   bool need_mask,
                                                    bool need_mod_mask, u32 mod_hidden) {
     const ModSite at{batch, a.seqlen_q, a.seqlen_k, a.softmax_scale};
     const int shift = a.seqlen_k - a.seqlen_q;
     #pragma unroll
     for (int i = 0; i < C::kBlockM / 8; ++i) {
-        const float2 l = *reinterpret_cast<const float2*>(lse2 + 8 * i);
+        const float2 l = lse2[i];
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float p[2];
@@ -97,7 +122,8 @@ template <class C, class Mods>
 __device__ __forceinline__ void bwd_mod_probs(float (&acc_s)[C::kBlockM / 2], Packed<C::kBlockM>& p16,
                                               const BwdArgs<typename C::Elem>& a, const Mods& mods,
                                               int batch, int head, int key0, int query0,
-                                              const float* lse2, bool need_mask, bool need_mod_mask,
+                                              const LaneStats<C>& lse2, bool need_mask,
+                                              bool need_mod_mask,
                                               u32 mod_hidden) {
     if (C::kHeadDim == 96 || need_mask || need_mod_mask)
         bwd_mod_probs_pass<true, C>(acc_s, p16, a, mods, batch, head, key0, query0, lse2,

@@ -241,6 +241,10 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
         wgmma_fence();
         issue_sdp<C>(acc_s, desc_k, desc_q + slot);
         issue_sdp<C>(acc_dp, desc_v, desc_do + slot);
+        // This lane's LSE (times log2 e) of the pair's queries, read while the GEMMs run: read
+        // after the wait, the first exp2 stalled on them (PERF_NOTES §89). Not at head_dim 96.
+        LaneStats<C> lse;
+        lse.load(lse2 + lane_col);
 
         // P^T in place of S^T. Keys past seqlen_k and, causal, keys past a query's diagonal get
         // 0; that also covers queries that see no key (LSE = -inf, P = inf before the select),
@@ -266,16 +270,15 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
         wgmma_wait<1>();
         fence_operands(acc_s);
         if constexpr (kHasMods<Mods>) {
-            bwd_mod_probs<C>(acc_s, p16, a, walk.mods, w.batch, head, key0, query0, lse2 + lane_col,
+            bwd_mod_probs<C>(acc_s, p16, a, walk.mods, w.batch, head, key0, query0, lse,
                              need_mask, need_mod_mask, mod_hidden);
         } else {
             #pragma unroll
-            for (int i = 0; i < C::kBlockM / 8; ++i) {
-                const float2 l = *reinterpret_cast<const float2*>(lse2 + lane_col + 8 * i);
+            for (int i = 0; i < C::kBlockM / 8; ++i)
                 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    acc_s[4 * i + e] = exp2_approx(fmaf(acc_s[4 * i + e], scale_log2, -(e & 1 ? l.y : l.x)));
-            }
+                    acc_s[4 * i + e] = exp2_approx(
+                        fmaf(acc_s[4 * i + e], scale_log2, -(e & 1 ? lse[i].y : lse[i].x)));
             if (need_mask) {
                 #pragma unroll
                 for (int i = 0; i < C::kBlockM / 8; ++i)
@@ -294,15 +297,15 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
         fence_packed(p16);
         wgmma_fence();
         issue_dkv<C>(acc_dv, p16.r, desc_do_mn + slot);
+        LaneStats<C> d;  // D of the pair's queries, likewise read before the wait
+        d.load(dsum + lane_col);
         wgmma_wait<1>();  // dP^T is done; dV may still run
         fence_operands(acc_dp);
         #pragma unroll
-        for (int i = 0; i < C::kBlockM / 8; ++i) {
-            const float2 d = *reinterpret_cast<const float2*>(dsum + lane_col + 8 * i);
+        for (int i = 0; i < C::kBlockM / 8; ++i)
             #pragma unroll
             for (int e = 0; e < 4; ++e)
-                acc_dp[4 * i + e] = acc_s[4 * i + e] * (acc_dp[4 * i + e] - (e & 1 ? d.y : d.x));
-        }
+                acc_dp[4 * i + e] = acc_s[4 * i + e] * (acc_dp[4 * i + e] - (e & 1 ? d[i].y : d[i].x));
         pack_a<Elem>(ds16, acc_dp);
 
         // dS^T to this pair's buffer (for dQ), visible to the async proxy before the barrier.
