@@ -10,6 +10,10 @@ namespace kg {
 template <class Mods>
 constexpr bool kHasMods = Mods::kScoreMod || Mods::kMaskMod || Mods::kKvRange || Mods::kBlockSparse;
 
+// The consumers' named barriers (0 is __syncthreads): both warpgroups' dS^T rows written, one
+// per dS^T buffer (kBarDs + pair parity), and the epilogue's, once both are past their last dQ.
+constexpr u32 kBarDs = 1, kBarEpilogue = 3;
+
 // SdpGemm::mma(float (&)[BLOCK_M / 2], u64 desc_a, u64 desc_b, int accumulate),
 // DkvGemm::mma(float (&)[HEAD_DIM / 2], const u32 (&a)[4], u64 desc_b) and
 // DqGemm::mma(float (&)[kDqN / 2], u64 desc_a, u64 desc_b, int accumulate): one k16 step each,

@@ -324,8 +324,17 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
         wgmma_fence();
         issue_dkv<C>(acc_dk, ds16.r, desc_q_mn + slot);
 
-        named_barrier_sync(1, 256);  // both warpgroups' dS^T rows are written
+        // Both warpgroups' dS^T rows are written before dQ reads them. With dQ taken in turns,
+        // only the pair's dQ warpgroup waits; the other arrives and goes on to its next pair,
+        // where it is the one that waits (hd64 spent 9% of its stall samples here, one
+        // warpgroup idle through the other's dQ every pair: PERF_NOTES §90). One barrier per
+        // dS^T buffer, so that no warpgroup arrives twice at one before the other has waited;
+        // its next write to this buffer follows its own wait at the next pair, which the dQ
+        // warpgroup reaches only once this dQ has read the buffer.
         const bool dq_here = C::kDqHalves || it % 2 == wg;
+        const u32 ds_bar = C::kDqHalves ? kBarDs : kBarDs + it % 2;
+        if (dq_here) named_barrier_sync(ds_bar, 256);
+        else named_barrier_arrive(ds_bar, 256);
         if (dq_here) {
             #pragma unroll
             for (int i = 0; i < kAccQ; ++i) acc_dq[i] = 0.f;
@@ -356,7 +365,7 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
 
     // Epilogue: dK * scale and dV to 16 bits, staged in this warp's own rows of the K and V tiles
     // (once both warpgroups are past their last dQ, which read all of K), then 16-byte stores.
-    named_barrier_sync(2, 256);
+    named_barrier_sync(kBarEpilogue, 256);
     #pragma unroll
     for (int i = 0; i < C::kHeadDim / 8; ++i)
         #pragma unroll
