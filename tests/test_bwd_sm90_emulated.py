@@ -247,6 +247,24 @@ def test_packed_varlen_ranges(causal, stages, lazy):
           mods="flash_attn_packed", mod_values=(start, end), mask_mod=lambda *_: visible)
 
 
+def test_packed_long_walk():
+    """A KV tile's count of pairs in steps of 128 (bwd_count_seen: four rounds of 32 at a time,
+    indices clamped): 8,450 queries in one flattened batch, 133 query tiles, so the count takes a
+    second, partial step, and the KV tiles near the end first meet a query tile past 128."""
+    from kernelgen.packed import varlen_ranges
+    lengths = [410, 395, 610, 280, 505, 700, 350, 460, 530, 300, 640, 420, 380, 590, 480, 350,
+               600, 450]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    total = int(cu[-1])
+    assert total > 128 * 64 and total % 64 != 0
+    start, end = varlen_ranges(cu, cu)
+    q, k, v, dout = qkv_dout(1, total, total, 1, 1, 64, torch.bfloat16)
+    keys = torch.arange(total)
+    visible = ((keys >= start[0, :, None]) & (keys < end[0, :, None]))[None, None]
+    check(q, k, v, dout, False, {"block_m": 64, "block_n": 128, "stages": 2}, True,
+          mods="flash_attn_packed", mod_values=(start, end), mask_mod=lambda *_: visible)
+
+
 @pytest.mark.parametrize("prefix", [0, 150])
 def test_tutorial_prefix_lm(prefix):
     q, k, v, dout = qkv_dout(1, 260, 260, 2, 2, 64, torch.bfloat16)

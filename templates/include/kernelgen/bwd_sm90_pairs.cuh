@@ -70,15 +70,29 @@ struct SeenPairs {
     int total, first;
 };
 
+// Four rounds of 32 pairs per step, their tests first (indices clamped into the pairs, so that
+// none is branched around) and then their ballots: where a kv range's bounds are loads, the
+// eight loads of a step are in flight together. One round at a time, each an L2 round trip, kept
+// the whole CTA (K and V not yet asked for) waiting 8 trips for a KV tile of a 16k-token varlen
+// batch (256 query tiles). It runs before the producer gives registers back (PERF_NOTES §90).
 template <class Seen>
 __device__ __forceinline__ SeenPairs bwd_count_seen(int count, int lane, const Seen& seen) {
+    constexpr int kRounds = 4;
     SeenPairs found{0, count};
     #pragma unroll 1
-    for (int base = 0; base < count; base += 32) {
-        const int index = base + lane;
-        const u32 ballot = __ballot_sync(0xffffffffu, index < count && seen(index));
-        if (found.total == 0 && ballot != 0) found.first = base + __ffs(ballot) - 1;
-        found.total += __popc(ballot);
+    for (int base = 0; base < count; base += 32 * kRounds) {
+        bool hit[kRounds];
+        #pragma unroll
+        for (int r = 0; r < kRounds; ++r) {
+            const int index = base + 32 * r + lane;
+            hit[r] = seen(min(index, count - 1)) && index < count;
+        }
+        #pragma unroll
+        for (int r = 0; r < kRounds; ++r) {
+            const u32 ballot = __ballot_sync(0xffffffffu, hit[r]);
+            if (found.total == 0 && ballot != 0) found.first = base + 32 * r + __ffs(ballot) - 1;
+            found.total += __popc(ballot);
+        }
     }
     return found;
 }
