@@ -126,7 +126,7 @@ __device__ __forceinline__ void bwd_produce_stats(const BwdArgs<typename C::Elem
         if constexpr (kBwdSlotPairs<C, Mods>) {  // the loads' warp has waited for the slot's empty
             mbarrier_wait(bar.pair(it % C::kStages), u32(it / C::kStages) & 1);
             const BwdSlotPair found = slot_pairs<C>(tiles)[it % C::kStages];
-            pair = BwdPair{found.head, found.m0, false};
+            pair = BwdPair{found.head, found.m0, found.partial != 0};
         } else {
             pair = walk.step(it);
         }
@@ -141,6 +141,10 @@ __device__ __forceinline__ void bwd_produce_stats(const BwdArgs<typename C::Elem
             stats[r] = inside ? a.lse[row0 + r] * kLog2e : 0.f;
             stats[C::kBlockM + r] = inside ? a.dsum[row0 + r] : 0.f;
         }
+        // With a kv range, the consumers' mask_mod verdicts per warpgroup (bwd_partial_bits),
+        // found beside the stats' loads: the loads' thread spilled with them (hd64 causal).
+        if constexpr (Mods::kMaskMod && kBwdSkipPairs<Mods>)
+            if (lane == 0) slot_pairs<C>(tiles)[s].partial = bwd_partial_bits(walk, pair);
         mbarrier_arrive(bar.full(s));
     }
 }
@@ -221,7 +225,11 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
     for (int it = 0; it < w.n_iter; ++it) {
         const int s = it % C::kStages;
         BwdPair pair;
-        if constexpr (!kBwdSlotPairs<C, Mods>) pair = walk.step(it);
+        int partial = 0;  // bwd_partial_bits
+        if constexpr (!kBwdSlotPairs<C, Mods>) {
+            pair = walk.step(it);
+            partial = pair.partial;
+        }
         const u64 slot = (s * C::kTileQ) >> 4;
         const float* lse2 = stats_all + s * 2 * C::kBlockM;
         const float* dsum = lse2 + C::kBlockM;
@@ -229,6 +237,7 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
         if constexpr (kBwdSlotPairs<C, Mods>) {  // the producer's record of the slot's pair
             const BwdSlotPair found = slot_pairs<C>(tiles)[s];
             pair = BwdPair{found.head, found.m0, found.partial != 0};
+            partial = found.partial;
         }
         const int head = pair.head, m0 = pair.m0;
 
@@ -253,17 +262,15 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
         bool need_mask = w.kv0 + 64 * wg + 64 > a.seqlen_k;
         if constexpr (C::kCausal) need_mask |= w.kv0 + 64 * wg + 63 > m0 + shift;
         // The mask_mod per element: in a block mask's partial tiles, else unless the kv range
-        // vouches for this warpgroup's 64 keys and the tile's rows. Its verdicts are taken while
-        // the GEMMs run (kEarlyModBits).
+        // vouches for this warpgroup's 64 keys and the tile's rows (the producer's verdict,
+        // bwd_partial_bits). Its verdicts are taken while the GEMMs run (kEarlyModBits).
         bool need_mod_mask = Mods::kMaskMod;
         u32 mod_hidden = 0;
         if constexpr (Mods::kMaskMod) {
             if constexpr (Mods::kBlockSparse)
-                need_mod_mask = pair.partial;
+                need_mod_mask = partial != 0;
             else if constexpr (Mods::kKvRange)
-                need_mod_mask = mod_mask_needed<64>(walk.mods, w.kv0 + 64 * wg, m0,
-                                                    min(m0 + C::kBlockM, a.seqlen_q) - 1, w.batch,
-                                                    head, a.seqlen_q, a.seqlen_k);
+                need_mod_mask = (partial >> wg) & 1;
             if (kEarlyModBits<C> && need_mod_mask)
                 mod_hidden = bwd_mod_hidden_bits<C>(a, walk.mods, w.batch, head, key0, query0);
         }
