@@ -25,8 +25,10 @@
 #                                  #   times against the tree before (carry .ab/old: git archive 5a89f03), bench
 #   bash tools/wip/next.sh s33check # ~7 min: §90's backward (stats read before the waits, hd64's
 #                                  #   dS^T barrier arrive): backward GPU tests, memcheck of every head dim
-#   bash tools/wip/next.sh s33ab   # ~6 min: §90 against the tree before (carry .ab/old: git archive
-#                                  #   98f1086), kernel times hd64 / hd128, then the backward grid
+#   bash tools/wip/next.sh s33ab   # ~7 min: §90 against the tree before (carry .ab/old: git archive
+#                                  #   98f1086), main-kernel times hd64 / hd128, plain and masked
+#   bash tools/wip/next.sh s33bench # ~4 min: the backward grid, then the modifier backward at 4k
+#   bash tools/wip/next.sh s33stalls # ~2 min: PC sampling of the packed and varlen backward, SASS kept
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
@@ -102,18 +104,27 @@ case $1 in
   s33check) PYTEST_ARGS="tests/test_bwd_sm90_gpu.py tests/test_mods_bwd_gpu.py tests/test_backward.py" \
            STEPS=pytest T_pytest=200 bash tools/h200_run.sh 2>&1 | tail -3
          STEPS=memcheck T_memcheck=220 bash tools/h200_run.sh 2>&1 | tail -3 ;;
-  s33ab) # §90: old (.ab/old = 98f1086) against new, interleaved; hd64 is where the barrier changed
+  s33ab) # §90: old (.ab/old = 98f1086) against new, interleaved: hd64 (the barrier), hd128 (the
+         # stats before the waits; packed / varlen / window: the count and the verdicts)
          [ -d .ab/old/kernelgen ] || { echo "carry .ab/old (git archive 98f1086)"; exit 2; }
-         kt() { (cd "$1" && PYTHONPATH=. timeout 90 python3 "$R/tools/wip/bwd_kernels.py" "${@:3}" 2>&1 \
+         kt() { (cd "$1" && PYTHONPATH=. timeout 100 python3 "$R/tools/wip/bwd_kernels.py" "${@:3}" 2>&1 \
                   | grep -E "^---|bwd_sm90" | sed "s|^|$2 |"); }
          for r in 1 2; do
            kt .ab/old old$r --head-dim 64 --mods document packed; kt . new$r --head-dim 64 --mods document packed
-           kt .ab/old old$r --mods document packed; kt . new$r --mods document packed
+           kt .ab/old old$r --mods document packed varlen window; kt . new$r --mods document packed varlen window
          done | tee "$OUT/s33ab.txt"
          for tree in .ab/old .; do kt $tree "$tree c64" --head-dim 64 --causal --mods document; done \
-           | tee "$OUT/s33ab_c64.txt"
+           | tee "$OUT/s33ab_c64.txt" ;;
+  s33bench) # ~4 min: the backward grid against cuDNN / flash, then the modifier backward at 4k
          PYTHONPATH=. timeout 150 python3 -m kernelgen.cli bench --pass bwd --head-dims 64 128 \
            --seqlens 1024 4096 16384 --systems kernelgen sdpa_cudnn sdpa_flash --out "$OUT" 2>&1 \
-           | tee "$OUT/bwdgrid.txt" | tail -16 ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab"; exit 2 ;;
+           | tee "$OUT/bwdgrid.txt" | tail -14
+         mkdir -p "$OUT/mods" && PYTHONPATH=. timeout 150 python3 -m kernelgen.cli bench --mods --pass bwd \
+           --seqlens 4096 --out "$OUT/mods" 2>&1 | tee "$OUT/modsbwd.txt" | tail -13 ;;
+  s33stalls) # ~2 min: where the packed and varlen backward wait after §90 (hd128 4k), the SASS kept
+         # (the .ncu-rep files are dropped so that the csv files come back)
+         STEPS=ncusrc T_ncusrc=120 NCU_TOP=40 NCU_CASES="flash_attn_bwd_sm90@--backward --seqlen 4096 --mod packed;flash_attn_bwd_sm90@--backward --seqlen 4096 --mod varlen" \
+           bash tools/h200_run.sh 2>&1 | tee "$OUT/s33stalls.txt" | grep -E "^---|instructions|by opcode|^ *[0-9.]+% +[0-9.]+% " | cut -c1-150 | head -60
+         rm -f "$OUT"/*.ncu-rep ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls"; exit 2 ;;
 esac
