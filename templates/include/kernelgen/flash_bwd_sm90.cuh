@@ -332,8 +332,9 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
         issue_dkv<C>(acc_dk, ds16.r, desc_q_mn + slot);
 
         // Both warpgroups' dS^T rows are written before dQ reads them. With dQ taken in turns,
-        // only the pair's dQ warpgroup waits; the other arrives and goes on to its next pair,
-        // where it is the one that waits (hd64 spent 9% of its stall samples here, one
+        // only the pair's dQ warpgroup waits; the other arrives (bar.arrive: its stores are
+        // performed for the participants when the barrier completes) and goes on to its next
+        // pair, where it is the one that waits (hd64 spent 9% of its stall samples here, one
         // warpgroup idle through the other's dQ every pair: PERF_NOTES §90). One barrier per
         // dS^T buffer, so that no warpgroup arrives twice at one before the other has waited;
         // its next write to this buffer follows its own wait at the next pair, which the dQ
