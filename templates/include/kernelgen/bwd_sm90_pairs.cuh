@@ -135,7 +135,7 @@ __device__ __forceinline__ BwdWork bwd_work(const BwdArgs<typename C::Elem>& a, 
 // A block mask's entry is re-read from its lists (global memory, L1) per use, as in the sm80 kernel.
 struct BwdPair {
     int head, m0;
-    bool partial;  // a block mask's partially visible tile: the mask_mod per element
+    int partial;  // the mask_mod per element: a block mask's partial tile; bwd_partial_bits
 };
 
 template <class C, class Mods>
@@ -188,25 +188,21 @@ struct alignas(16) BwdSlotPair {
     int head, m0, partial, unused;
 };
 
-// A slot's `partial`: a block mask's flag for the whole tile; with a kv range and a mask_mod, bit
-// g set where consumer g's 64 keys need the mask_mod per element (mod_mask_needed). The stats
+// With a kv range and a mask_mod, a slot's `partial` (a block mask's: a flag for the whole tile):
+// bit g set where consumer g's 64 keys need the mask_mod per element (mod_mask_needed). The stats
 // warp finds it beside its loads of the slot's LSE and D; in the consumers, the bounds' loads (an
 // L2 round trip where they are tensors: packed, varlen) sat between the issue of S^T and the
 // wait for it, every pair (PERF_NOTES §90).
 template <class C, class Mods>
 __device__ __forceinline__ int bwd_partial_bits(const BwdWalk<C, Mods>& walk, const BwdPair& pair) {
-    if constexpr (Mods::kMaskMod && kBwdSkipPairs<Mods>) {
-        const auto& a = walk.a;
-        const int q_last = min(pair.m0 + C::kBlockM, a.seqlen_q) - 1;
-        int bits = 0;
-        #pragma unroll
-        for (int g = 0; g < C::kConsumers; ++g)
-            bits |= int(mod_mask_needed<64>(walk.mods, walk.w.kv0 + 64 * g, pair.m0, q_last,
-                                            walk.w.batch, pair.head, a.seqlen_q, a.seqlen_k)) << g;
-        return bits;
-    } else {
-        return pair.partial;
-    }
+    const auto& a = walk.a;
+    const int q_last = min(pair.m0 + C::kBlockM, a.seqlen_q) - 1;
+    int bits = 0;
+    #pragma unroll
+    for (int g = 0; g < C::kConsumers; ++g)
+        bits |= int(mod_mask_needed<64>(walk.mods, walk.w.kv0 + 64 * g, pair.m0, q_last,
+                                        walk.w.batch, pair.head, a.seqlen_q, a.seqlen_k)) << g;
+    return bits;
 }
 
 // The ring's slot pairs (kBwdSlotPairs; [STAGES]) and the consumers' dQ pairs ([kConsumers]).

@@ -39,7 +39,8 @@ struct LaneStats {
     float2 v[C::kBlockM / 8];
     __device__ __forceinline__ void load(const float* stats) {
         #pragma unroll
-        for (int i = 0; i < C::kBlockM / 8; ++i) v[i] = *reinterpret_cast<const float2*>(stats + 8 * i);
+        for (int i = 0; i < C::kBlockM / 8; ++i)
+            v[i] = *reinterpret_cast<const float2*>(stats + 8 * i);
     }
     __device__ __forceinline__ float2 operator[](int i) const { return v[i]; }
 };

@@ -126,7 +126,7 @@ __device__ __forceinline__ void bwd_produce_stats(const BwdArgs<typename C::Elem
         if constexpr (kBwdSlotPairs<C, Mods>) {  // the loads' warp has waited for the slot's empty
             mbarrier_wait(bar.pair(it % C::kStages), u32(it / C::kStages) & 1);
             const BwdSlotPair found = slot_pairs<C>(tiles)[it % C::kStages];
-            pair = BwdPair{found.head, found.m0, found.partial != 0};
+            pair = BwdPair{found.head, found.m0, found.partial};
         } else {
             pair = walk.step(it);
         }
@@ -225,19 +225,14 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
     for (int it = 0; it < w.n_iter; ++it) {
         const int s = it % C::kStages;
         BwdPair pair;
-        int partial = 0;  // bwd_partial_bits
-        if constexpr (!kBwdSlotPairs<C, Mods>) {
-            pair = walk.step(it);
-            partial = pair.partial;
-        }
+        if constexpr (!kBwdSlotPairs<C, Mods>) pair = walk.step(it);
         const u64 slot = (s * C::kTileQ) >> 4;
         const float* lse2 = stats_all + s * 2 * C::kBlockM;
         const float* dsum = lse2 + C::kBlockM;
         mbarrier_wait(bar.full(s), u32(it / C::kStages) & 1);
         if constexpr (kBwdSlotPairs<C, Mods>) {  // the producer's record of the slot's pair
             const BwdSlotPair found = slot_pairs<C>(tiles)[s];
-            pair = BwdPair{found.head, found.m0, found.partial != 0};
-            partial = found.partial;
+            pair = BwdPair{found.head, found.m0, found.partial};
         }
         const int head = pair.head, m0 = pair.m0;
 
@@ -268,9 +263,9 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
         u32 mod_hidden = 0;
         if constexpr (Mods::kMaskMod) {
             if constexpr (Mods::kBlockSparse)
-                need_mod_mask = partial != 0;
+                need_mod_mask = pair.partial != 0;
             else if constexpr (Mods::kKvRange)
-                need_mod_mask = (partial >> wg) & 1;
+                need_mod_mask = (pair.partial >> wg) & 1;
             if (kEarlyModBits<C> && need_mod_mask)
                 mod_hidden = bwd_mod_hidden_bits<C>(a, walk.mods, w.batch, head, key0, query0);
         }
@@ -312,7 +307,8 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
         for (int i = 0; i < C::kBlockM / 8; ++i)
             #pragma unroll
             for (int e = 0; e < 4; ++e)
-                acc_dp[4 * i + e] = acc_s[4 * i + e] * (acc_dp[4 * i + e] - (e & 1 ? d[i].y : d[i].x));
+                acc_dp[4 * i + e] =
+                    acc_s[4 * i + e] * (acc_dp[4 * i + e] - (e & 1 ? d[i].y : d[i].x));
         pack_a<Elem>(ds16, acc_dp);
 
         // dS^T to this pair's buffer (for dQ), visible to the async proxy before the barrier.
