@@ -121,10 +121,17 @@ case $1 in
            | tee "$OUT/bwdgrid.txt" | tail -14
          mkdir -p "$OUT/mods" && PYTHONPATH=. timeout 150 python3 -m kernelgen.cli bench --mods --pass bwd \
            --seqlens 4096 --out "$OUT/mods" 2>&1 | tee "$OUT/modsbwd.txt" | tail -13 ;;
+  s34) # ~8 min: s33ab cut to one round (hd64 document, hd128 packed / varlen), then s33bench
+         [ -d .ab/old/kernelgen ] || { echo "carry .ab/old (git archive 98f1086)"; exit 2; }
+         kt() { (cd "$1" && PYTHONPATH=. timeout 100 python3 "$R/tools/wip/bwd_kernels.py" "${@:3}" 2>&1 \
+                  | grep -E "^---|bwd_sm90" | sed "s|^|$2 |"); }
+         { kt .ab/old old --head-dim 64 --mods document; kt . new --head-dim 64 --mods document
+           kt .ab/old old --mods packed varlen; kt . new --mods packed varlen; } | tee "$OUT/s34ab.txt"
+         bash "$0" s33bench ;;
   s33stalls) # ~2 min: where the packed and varlen backward wait after §90 (hd128 4k), the SASS kept
          # (the .ncu-rep files are dropped so that the csv files come back)
          STEPS=ncusrc T_ncusrc=120 NCU_TOP=40 NCU_CASES="flash_attn_bwd_sm90@--backward --seqlen 4096 --mod packed;flash_attn_bwd_sm90@--backward --seqlen 4096 --mod varlen" \
            bash tools/h200_run.sh 2>&1 | tee "$OUT/s33stalls.txt" | grep -E "^---|instructions|by opcode|^ *[0-9.]+% +[0-9.]+% " | cut -c1-150 | head -60
          rm -f "$OUT"/*.ncu-rep ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls"; exit 2 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34"; exit 2 ;;
 esac
