@@ -122,6 +122,10 @@ CASES = [
     # arrives twice at it and the emulator deadlocks here
     (64, torch.bfloat16, False, (650, 150), (1, 2, 1), 2, True),
     (96, torch.bfloat16, True, (140, 140), (1, 2, 1), 2, False),     # 64B swizzle, dQ N = 96
+    # GQA 2:1, each KV tile's first query tile walked last (kBwdPeelDiagonal): in KV tiles 1 and
+    # 2 the second warpgroup sees none of it and takes only its turn of dQ; in tile 0 (the
+    # diagonal 32 keys off the tile's) it sees keys 64..95 and runs the pair in full
+    (64, torch.bfloat16, True, (288, 320), (1, 4, 2), 2, True),
 ]
 
 

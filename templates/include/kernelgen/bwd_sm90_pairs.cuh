@@ -130,6 +130,13 @@ __device__ __forceinline__ BwdWork bwd_work(const BwdArgs<typename C::Elem>& a, 
     return BwdWork{kv_head, batch, kv0, group, m_first, per_head, n_iter, n_block, first_seen};
 }
 
+// Causal, without a kv range or a block mask, and not at head dim 96 (whose consumers sit at the
+// register limit: ptxas serialized the wgmmas of its modifier kernels, C7511): pair 0 is walked
+// last, so that a consumer that sees none of it skips its GEMMs there (bwd_hidden_last).
+template <class C, class Mods>
+constexpr bool kBwdPeelDiagonal =
+    C::kCausal && !Mods::kKvRange && !Mods::kBlockSparse && C::kHeadDim != 96;
+
 // The pairs in walking order, the same for every role: step `it` visits pair(it), after next()
 // found it (a kv range: the next pair not ruled out, a warp-wide search; else the next index).
 // A block mask's entry is re-read from its lists (global memory, L1) per use, as in the sm80 kernel.
@@ -165,7 +172,10 @@ struct BwdWalk {
             if (it + 1 < w.n_iter) at = find(pair + 1);
             return BwdPair{w.head(pair), w.m0(pair, C::kBlockM), false};
         } else {
-            return BwdPair{w.head(it), w.m0(it, C::kBlockM), false};
+            // Causal: pair 0, the first head's diagonal query tile, is walked last (bwd_hidden_last).
+            int pair = it;
+            if constexpr (kBwdPeelDiagonal<C, Mods>) pair = it + 1 == w.per_head * w.group ? 0 : it + 1;
+            return BwdPair{w.head(pair), w.m0(pair, C::kBlockM), false};
         }
     }
     // The next seen pair from `from` on. Most often it is `from` itself (a window's pairs are
@@ -181,6 +191,21 @@ struct BwdWalk {
         return bwd_first_seen(from + 1, count, int(threadIdx.x % 32), seen);
     }
 };
+
+// Whether none of consumer `wg`'s 64 keys is seen by the rows of pair 0, the first head's
+// diagonal query tile (causal, seqlen_k - seqlen_q a multiple of 64: the second consumer's), which
+// the walk then visits last (kBwdPeelDiagonal) so that the consumer takes it after its loop
+// without its GEMMs (flash_bwd_sm90.cuh). A function of the CTA alone: no register in the loop.
+template <class C, class Mods>
+__device__ __forceinline__ bool bwd_hidden_last(const BwdArgs<typename C::Elem>& a,
+                                                const BwdWork& w, int wg) {
+    if constexpr (!kBwdPeelDiagonal<C, Mods>) {
+        return false;
+    } else {
+        const int q_last = min(w.m0(0, C::kBlockM) + C::kBlockM, a.seqlen_q) - 1;
+        return w.kv0 + 64 * wg > q_last + a.seqlen_k - a.seqlen_q;
+    }
+}
 
 // A slot's pair as the producer leaves it for the consumers (kBwdSlotPairs): 16 bytes, one
 // shared-memory load each. `partial`: bwd_partial_bits.

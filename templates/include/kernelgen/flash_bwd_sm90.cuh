@@ -222,7 +222,11 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
 
     mbarrier_wait(bar.full_kv(), 0);
     if constexpr (!kBwdSlotPairs<C, Mods>) walk.first();
-    for (int it = 0; it < w.n_iter; ++it) {
+    // One pair, step `it` of the walk; `hidden` (Bool) true where none of this warpgroup's 64
+    // keys is seen by the pair's rows: then its dS^T rows are zeros and it runs no GEMM but its
+    // part of dQ (bwd_hidden_last).
+    const auto pair_step = [&](const int it, auto hidden) {
+        constexpr bool kHidden = decltype(hidden)::value;
         const int s = it % C::kStages;
         BwdPair pair;
         if constexpr (!kBwdSlotPairs<C, Mods>) pair = walk.step(it);
@@ -235,97 +239,108 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
             pair = BwdPair{found.head, found.m0, found.partial};
         }
         const int head = pair.head, m0 = pair.m0;
-
-        // Zeroed here (the first k-step overwrites them anyway), so that nothing of the last pair
-        // stays live across the loop: the wgmma's "+f" operands would read them.
-        #pragma unroll
-        for (int i = 0; i < kAccS; ++i) acc_s[i] = acc_dp[i] = 0.f;
-        fence_operands(acc_s);
-        fence_operands(acc_dp);
-        wgmma_fence();
-        issue_sdp<C>(acc_s, desc_k, desc_q + slot);
-        issue_sdp<C>(acc_dp, desc_v, desc_do + slot);
-        // This lane's LSE (times log2 e) of the pair's queries, read while the GEMMs run: read
-        // after the wait, the first exp2 stalled on them (PERF_NOTES §89). Not at head_dim 96.
-        LaneStats<C> lse;
-        lse.load(lse2 + lane_col);
-
-        // P^T in place of S^T. Keys past seqlen_k and, causal, keys past a query's diagonal get
-        // 0; that also covers queries that see no key (LSE = -inf, P = inf before the select),
-        // which only occur in tiles that straddle the diagonal. Only those tiles pay.
-        const int key0 = w.kv0 + lane_key, query0 = m0 + lane_col;
-        bool need_mask = w.kv0 + 64 * wg + 64 > a.seqlen_k;
-        if constexpr (C::kCausal) need_mask |= w.kv0 + 64 * wg + 63 > m0 + shift;
-        // The mask_mod per element: in a block mask's partial tiles, else unless the kv range
-        // vouches for this warpgroup's 64 keys and the tile's rows (the producer's verdict,
-        // bwd_partial_bits). Its verdicts are taken while the GEMMs run (kEarlyModBits).
-        bool need_mod_mask = Mods::kMaskMod;
-        u32 mod_hidden = 0;
-        if constexpr (Mods::kMaskMod) {
-            if constexpr (Mods::kBlockSparse)
-                need_mod_mask = pair.partial != 0;
-            else if constexpr (Mods::kKvRange)
-                need_mod_mask = (pair.partial >> wg) & 1;
-            if (kEarlyModBits<C> && need_mod_mask)
-                mod_hidden = bwd_mod_hidden_bits<C>(a, walk.mods, w.batch, head, key0, query0);
-        }
-        wgmma_wait<1>();
-        fence_operands(acc_s);
-        if constexpr (kHasMods<Mods>) {
-            bwd_mod_probs<C>(acc_s, p16, a, walk.mods, w.batch, head, key0, query0, lse,
-                             need_mask, need_mod_mask, mod_hidden);
+        if constexpr (kHidden) {
+            unsigned char* ds_tile = tiles + C::kOffDs + (it % 2) * C::kTileDs;
+            // dS^T = 0 in this warpgroup's rows, which dQ reads: P^T is 0 there.
+            #pragma unroll
+            for (int i = 0; i < C::kBlockM / 8; ++i)
+                #pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    *reinterpret_cast<u32*>(ds_tile + panel_offset_bwd<C::kDsSwizzle>(
+                        C::kBlockN, lane_key + 8 * h, lane_col + 8 * i)) = 0u;
+            fence_proxy_async_shared();
         } else {
+            // Zeroed here (the first k-step overwrites them anyway), so that nothing of the last
+            // pair stays live across the loop: the wgmma's "+f" operands would read them.
+            #pragma unroll
+            for (int i = 0; i < kAccS; ++i) acc_s[i] = acc_dp[i] = 0.f;
+            fence_operands(acc_s);
+            fence_operands(acc_dp);
+            wgmma_fence();
+            issue_sdp<C>(acc_s, desc_k, desc_q + slot);
+            issue_sdp<C>(acc_dp, desc_v, desc_do + slot);
+            // This lane's LSE (times log2 e) of the pair's queries, read while the GEMMs run: read
+            // after the wait, the first exp2 stalled on them (PERF_NOTES §89). Not at head_dim 96.
+            LaneStats<C> lse;
+            lse.load(lse2 + lane_col);
+
+            // P^T in place of S^T. Keys past seqlen_k and, causal, keys past a query's diagonal get
+            // 0; that also covers queries that see no key (LSE = -inf, P = inf before the select),
+            // which only occur in tiles that straddle the diagonal. Only those tiles pay.
+            const int key0 = w.kv0 + lane_key, query0 = m0 + lane_col;
+            bool need_mask = w.kv0 + 64 * wg + 64 > a.seqlen_k;
+            if constexpr (C::kCausal) need_mask |= w.kv0 + 64 * wg + 63 > m0 + shift;
+            // The mask_mod per element: in a block mask's partial tiles, else unless the kv range
+            // vouches for this warpgroup's 64 keys and the tile's rows (the producer's verdict,
+            // bwd_partial_bits). Its verdicts are taken while the GEMMs run (kEarlyModBits).
+            bool need_mod_mask = Mods::kMaskMod;
+            u32 mod_hidden = 0;
+            if constexpr (Mods::kMaskMod) {
+                if constexpr (Mods::kBlockSparse)
+                    need_mod_mask = pair.partial != 0;
+                else if constexpr (Mods::kKvRange)
+                    need_mod_mask = (pair.partial >> wg) & 1;
+                if (kEarlyModBits<C> && need_mod_mask)
+                    mod_hidden = bwd_mod_hidden_bits<C>(a, walk.mods, w.batch, head, key0, query0);
+            }
+            wgmma_wait<1>();
+            fence_operands(acc_s);
+            if constexpr (kHasMods<Mods>) {
+                bwd_mod_probs<C>(acc_s, p16, a, walk.mods, w.batch, head, key0, query0, lse,
+                                 need_mask, need_mod_mask, mod_hidden);
+            } else {
+                #pragma unroll
+                for (int i = 0; i < C::kBlockM / 8; ++i)
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        acc_s[4 * i + e] = exp2_approx(
+                            fmaf(acc_s[4 * i + e], scale_log2, -(e & 1 ? lse[i].y : lse[i].x)));
+                if (need_mask) {
+                    #pragma unroll
+                    for (int i = 0; i < C::kBlockM / 8; ++i)
+                        #pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int key = key0 + 8 * (e / 2), query = query0 + 8 * i + (e & 1);
+                            bool masked = key >= a.seqlen_k;
+                            if constexpr (C::kCausal) masked |= key > query + shift;
+                            if (masked) acc_s[4 * i + e] = 0.f;
+                        }
+                }
+                pack_a<Elem>(p16, acc_s);
+            }
+            // dV += P^T dO runs while dS^T is computed (P^T lives in fp32 and packed meanwhile).
+            fence_operands(acc_dv);
+            fence_packed(p16);
+            wgmma_fence();
+            issue_dkv<C>(acc_dv, p16.r, desc_do_mn + slot);
+            LaneStats<C> d;  // D of the pair's queries, likewise read before the wait
+            d.load(dsum + lane_col);
+            wgmma_wait<1>();  // dP^T is done; dV may still run
+            fence_operands(acc_dp);
             #pragma unroll
             for (int i = 0; i < C::kBlockM / 8; ++i)
                 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    acc_s[4 * i + e] = exp2_approx(
-                        fmaf(acc_s[4 * i + e], scale_log2, -(e & 1 ? lse[i].y : lse[i].x)));
-            if (need_mask) {
+                    acc_dp[4 * i + e] =
+                        acc_s[4 * i + e] * (acc_dp[4 * i + e] - (e & 1 ? d[i].y : d[i].x));
+            pack_a<Elem>(ds16, acc_dp);
+
+            // dS^T to this pair's buffer (for dQ), visible to the async proxy before the barrier.
+            unsigned char* ds_tile = tiles + C::kOffDs + (it % 2) * C::kTileDs;
+            #pragma unroll
+            for (int i = 0; i < C::kBlockM / 8; ++i)
                 #pragma unroll
-                for (int i = 0; i < C::kBlockM / 8; ++i)
-                    #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int key = key0 + 8 * (e / 2), query = query0 + 8 * i + (e & 1);
-                        bool masked = key >= a.seqlen_k;
-                        if constexpr (C::kCausal) masked |= key > query + shift;
-                        if (masked) acc_s[4 * i + e] = 0.f;
-                    }
-            }
-            pack_a<Elem>(p16, acc_s);
+                for (int h = 0; h < 2; ++h)
+                    *reinterpret_cast<u32*>(ds_tile + panel_offset_bwd<C::kDsSwizzle>(
+                        C::kBlockN, lane_key + 8 * h, lane_col + 8 * i)) =
+                        ds16.r[i / 2][(i % 2) * 2 + h];
+            fence_proxy_async_shared();
+
+            fence_operands(acc_dk);
+            fence_packed(ds16);
+            wgmma_fence();
+            issue_dkv<C>(acc_dk, ds16.r, desc_q_mn + slot);
         }
-        // dV += P^T dO runs while dS^T is computed (P^T lives in fp32 and packed meanwhile).
-        fence_operands(acc_dv);
-        fence_packed(p16);
-        wgmma_fence();
-        issue_dkv<C>(acc_dv, p16.r, desc_do_mn + slot);
-        LaneStats<C> d;  // D of the pair's queries, likewise read before the wait
-        d.load(dsum + lane_col);
-        wgmma_wait<1>();  // dP^T is done; dV may still run
-        fence_operands(acc_dp);
-        #pragma unroll
-        for (int i = 0; i < C::kBlockM / 8; ++i)
-            #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                acc_dp[4 * i + e] =
-                    acc_s[4 * i + e] * (acc_dp[4 * i + e] - (e & 1 ? d[i].y : d[i].x));
-        pack_a<Elem>(ds16, acc_dp);
-
-        // dS^T to this pair's buffer (for dQ), visible to the async proxy before the barrier.
-        unsigned char* ds_tile = tiles + C::kOffDs + (it % 2) * C::kTileDs;
-        #pragma unroll
-        for (int i = 0; i < C::kBlockM / 8; ++i)
-            #pragma unroll
-            for (int h = 0; h < 2; ++h)
-                *reinterpret_cast<u32*>(ds_tile + panel_offset_bwd<C::kDsSwizzle>(
-                    C::kBlockN, lane_key + 8 * h, lane_col + 8 * i)) =
-                    ds16.r[i / 2][(i % 2) * 2 + h];
-        fence_proxy_async_shared();
-
-        fence_operands(acc_dk);
-        fence_packed(ds16);
-        wgmma_fence();
-        issue_dkv<C>(acc_dk, ds16.r, desc_q_mn + slot);
 
         // Both warpgroups' dS^T rows are written before dQ reads them. With dQ taken in turns,
         // only the pair's dQ warpgroup waits; the other arrives (bar.arrive: its stores are
@@ -348,16 +363,22 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
         }
         // dV and dK, the slot's last readers, are done; dQ may still run. (Not when dQ is taken
         // in turns: a wait count that differs between the branches serializes every wgmma, C7518.)
-        if constexpr (C::kDqHalves) wgmma_wait<1>();
-        else wgmma_wait<0>();
-        fence_operands(acc_dv);
-        fence_operands(acc_dk);
-        __syncwarp();  // every lane's reads of the slot's LSE and D are done
-        if (lane == 0) mbarrier_arrive(bar.empty(s));
+        if constexpr (kHidden) {
+            if constexpr (!C::kDqHalves) wgmma_wait<0>();
+            __syncwarp();
+            if (lane == 0) mbarrier_arrive(bar.empty(s));  // the slot was never read
+        } else {
+            if constexpr (C::kDqHalves) wgmma_wait<1>();
+            else wgmma_wait<0>();
+            fence_operands(acc_dv);
+            fence_operands(acc_dk);
+            __syncwarp();  // every lane's reads of the slot's LSE and D are done
+            if (lane == 0) mbarrier_arrive(bar.empty(s));
+        }
 
         // scale * dQ to this warpgroup's buffer, for the reducer's add into dq_accum[query,
         // head, dq_col0..] once the buffer's last add has read it (kDqTma; else added here).
-        if (!dq_here) continue;
+        if (!dq_here) return;
         if constexpr (C::kDqHalves) wgmma_wait<0>();
         fence_operands(acc_dq);
         if constexpr (C::kDqTma)
@@ -365,6 +386,18 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
                             head, m0);
         else
             bwd_red_dq<C>(a, acc_dq, w.batch, head, m0 + 16 * warp + lane / 4, dq_col0 + lane_col);
+    };
+    // Causal: the walk's last pair is the first head's diagonal query tile (kBwdPeelDiagonal),
+    // whose rows see none of the second warpgroup's keys in most KV tiles (in all where
+    // seqlen_k - seqlen_q is a multiple of 64): ~5% of the pairs at 1k (PERF_NOTES §91). Peeled after the loop, not a branch in it: ptxas serialized or spilled
+    // every branch around the GEMMs there (§90). Both warpgroups peel (the first one runs the pair
+    // in full), so the loop's bound depends on the CTA alone: a per-warpgroup bound spilled.
+    const bool peel = bwd_hidden_last<C, Mods>(a, w, 1);
+    int it = 0;
+    for (const int n = w.n_iter - int(peel); it < n; ++it) pair_step(it, Bool<false>{});
+    if (peel) {
+        if (wg == 1) pair_step(it, Bool<true>{});
+        else pair_step(it, Bool<false>{});
     }
 
     // Epilogue: dK * scale and dV to 16 bits, staged in this warp's own rows of the K and V tiles

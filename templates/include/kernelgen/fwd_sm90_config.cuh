@@ -6,13 +6,6 @@
 
 namespace kg {
 
-// A compile-time bool as a value: a generic lambda's way to take one (C++17; no std headers
-// under NVRTC).
-template <bool V>
-struct Bool {
-    static constexpr bool value = V;
-};
-
 // One of two references chosen at compile time: Pick<true>::from(a, b) is a, else b.
 template <bool First>
 struct Pick {

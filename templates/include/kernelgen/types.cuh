@@ -68,4 +68,11 @@ __device__ __forceinline__ i64 opaque(i64 x) {
 
 __host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
 
+// A compile-time bool as a value: a generic lambda's way to take one (C++17; no std headers
+// under NVRTC).
+template <bool V>
+struct Bool {
+    static constexpr bool value = V;
+};
+
 }  // namespace kg

@@ -41,4 +41,9 @@ inline i64 opaque(i64 x) { return x; }
 
 constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
 
+template <bool V>
+struct Bool {  // as the real types.cuh's
+    static constexpr bool value = V;
+};
+
 }  // namespace kg
