@@ -172,9 +172,11 @@ struct BwdWalk {
             if (it + 1 < w.n_iter) at = find(pair + 1);
             return BwdPair{w.head(pair), w.m0(pair, C::kBlockM), false};
         } else {
-            // Causal: pair 0, the first head's diagonal query tile, is walked last (bwd_hidden_last).
+            // Causal: pair 0, the first head's diagonal query tile, is walked last
+            // (bwd_hidden_last).
             int pair = it;
-            if constexpr (kBwdPeelDiagonal<C, Mods>) pair = it + 1 == w.per_head * w.group ? 0 : it + 1;
+            if constexpr (kBwdPeelDiagonal<C, Mods>)
+                pair = it + 1 == w.per_head * w.group ? 0 : it + 1;
             return BwdPair{w.head(pair), w.m0(pair, C::kBlockM), false};
         }
     }
@@ -193,9 +195,9 @@ struct BwdWalk {
 };
 
 // Whether none of consumer `wg`'s 64 keys is seen by the rows of pair 0, the first head's
-// diagonal query tile (causal, seqlen_k - seqlen_q a multiple of 64: the second consumer's), which
-// the walk then visits last (kBwdPeelDiagonal) so that the consumer takes it after its loop
-// without its GEMMs (flash_bwd_sm90.cuh). A function of the CTA alone: no register in the loop.
+// diagonal query tile (the second consumer's in every KV tile where seqlen_k - seqlen_q is a
+// multiple of 64, in most otherwise), which the walk visits last (kBwdPeelDiagonal) so that the
+// consumer takes it after its loop without its GEMMs (flash_bwd_sm90.cuh).
 template <class C, class Mods>
 __device__ __forceinline__ bool bwd_hidden_last(const BwdArgs<typename C::Elem>& a,
                                                 const BwdWork& w, int wg) {
