@@ -117,6 +117,13 @@ case $1 in
   s34last) # ~3.5 min: the Hopper backward's GPU tests alone (the last minutes of a budget)
          PYTEST_ARGS="tests/test_bwd_sm90_gpu.py tests/test_mods_bwd_gpu.py" \
            STEPS=pytest T_pytest=200 bash tools/h200_run.sh 2>&1 | tail -3 ;;
+  s34causal) # ~3 min: §91's peel, old (.ab/old = 98f1086: before §90 too) against new, causal 1k
+         [ -d .ab/old/kernelgen ] || { echo "carry .ab/old (git archive 98f1086)"; exit 2; }
+         kt() { (cd "$1" && PYTHONPATH=. timeout 100 python3 "$R/tools/wip/bwd_kernels.py" "${@:3}" 2>&1 \
+                  | grep -E "^---|bwd_sm90" | sed "s|^|$2 |"); }
+         { kt .ab/old old --causal --seqlen 1024 --mods softcap; kt . new --causal --seqlen 1024 --mods softcap
+           kt .ab/old old --causal --seqlen 1024 --head-dim 64 --mods softcap
+           kt . new --causal --seqlen 1024 --head-dim 64 --mods softcap; } | tee "$OUT/s34causal.txt" ;;
   s33ab) # §90: old (.ab/old = 98f1086) against new, interleaved: hd64 (the barrier), hd128 (the
          # stats before the waits; packed / varlen / window: the count and the verdicts)
          [ -d .ab/old/kernelgen ] || { echo "carry .ab/old (git archive 98f1086)"; exit 2; }
@@ -146,5 +153,5 @@ case $1 in
          STEPS=ncusrc T_ncusrc=120 NCU_TOP=40 NCU_CASES="flash_attn_bwd_sm90@--backward --seqlen 4096 --mod packed;flash_attn_bwd_sm90@--backward --seqlen 4096 --mod varlen" \
            bash tools/h200_run.sh 2>&1 | tee "$OUT/s33stalls.txt" | grep -E "^---|instructions|by opcode|^ *[0-9.]+% +[0-9.]+% " | cut -c1-150 | head -60
          rm -f "$OUT"/*.ncu-rep ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last"; exit 2 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal"; exit 2 ;;
 esac
