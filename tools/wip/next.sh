@@ -34,6 +34,10 @@ R=$(cd "$(dirname "$0")/../.." && pwd)
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 cd "$R" || exit 1
+# The backward main kernels' times (tools/wip/bwd_kernels.py) of the tree at $1, lines tagged $2.
+kt() { (cd "$1" && PYTHONPATH=. timeout 100 python3 "$R/tools/wip/bwd_kernels.py" "${@:3}" 2>&1 \
+         | grep -E "^---|bwd_sm90" | sed "s|^|$2 |"); }
+BWD_GPU_TESTS="tests/test_bwd_sm90_gpu.py tests/test_mods_bwd_gpu.py"
 case $1 in
   suite) STEPS=all T_all=570 bash tools/h200_run.sh 2>&1 | tail -12 ;;
   confirm) LEADS=confirm LEAD_T=280 bash tools/wip/leads.sh 2>&1 | tee "$OUT/confirm.txt" | tail -30 ;;
@@ -81,7 +85,7 @@ case $1 in
            | tee "$OUT/bwdab_w64.txt"
          PYTHONPATH=. timeout 200 python3 -m kernelgen.cli bench --mods --pass bwd --seqlens 4096 \
            --out "$OUT" 2>&1 | tee "$OUT/modsbwd.txt" | tail -14 ;;
-  bwdgpu) PYTEST_ARGS="tests/test_mods_bwd_gpu.py tests/test_bwd_sm90_gpu.py" \
+  bwdgpu) PYTEST_ARGS="$BWD_GPU_TESTS" \
            STEPS=pytest T_pytest=240 bash tools/h200_run.sh 2>&1 | tail -4
          STEPS=memcheck T_memcheck=200 RAGGED_ARGS="--mask-mods 64 128" bash tools/h200_run.sh 2>&1 | tail -4 ;;
   bwdstalls) # where the backward's consumers wait (§88: the atomics are gone at hd128; hd64 did not gain)
@@ -89,11 +93,9 @@ case $1 in
            bash tools/h200_run.sh 2>&1 | tee "$OUT/bwdstalls.txt" | grep -E "^---|instructions|by opcode|RED|^ *[0-9.]+% +[0-9.]+% " | head -70 ;;
   dqtma) # dQ by TMA reduce-adds (PERF_NOTES §88): correctness first, then old (.ab/old) against new
          [ -d .ab/old/kernelgen ] || { echo "carry .ab/old (git archive 5a89f03)"; exit 2; }
-         PYTEST_ARGS="tests/test_mods_bwd_gpu.py tests/test_bwd_sm90_gpu.py" \
+         PYTEST_ARGS="$BWD_GPU_TESTS" \
            STEPS=pytest T_pytest=200 bash tools/h200_run.sh 2>&1 | tail -3
          STEPS=memcheck T_memcheck=150 RAGGED_ARGS="--mask-mods 64 128" bash tools/h200_run.sh 2>&1 | tail -3
-         kt() { (cd "$1" && PYTHONPATH=. timeout 90 python3 "$R/tools/wip/bwd_kernels.py" "${@:3}" 2>&1 \
-                  | grep -E "^---|bwd_sm90" | sed "s|^|$2 |"); }
          for r in 1 2; do kt .ab/old old$r --mods document packed window; kt . new$r --mods document packed window; done \
            | tee "$OUT/dqtma.txt"
          for tree in .ab/old .; do kt $tree "$tree c128" --causal --mods packed; kt $tree "$tree f64" --head-dim 64 --mods packed; done \
@@ -101,34 +103,30 @@ case $1 in
          PYTHONPATH=. timeout 150 python3 -m kernelgen.cli bench --pass bwd --head-dims 64 128 \
            --seqlens 1024 4096 16384 --systems kernelgen sdpa_cudnn sdpa_flash --out "$OUT" 2>&1 \
            | tee "$OUT/bwdgrid.txt" | tail -16 ;;
-  s33check) PYTEST_ARGS="tests/test_bwd_sm90_gpu.py tests/test_mods_bwd_gpu.py tests/test_backward.py" \
+  s33check) PYTEST_ARGS="$BWD_GPU_TESTS tests/test_backward.py" \
            STEPS=pytest T_pytest=200 bash tools/h200_run.sh 2>&1 | tail -3
          STEPS=memcheck T_memcheck=220 bash tools/h200_run.sh 2>&1 | tail -3 ;;
   s34check) # s33check in under 7 minutes (a short device budget)
-         PYTEST_ARGS="tests/test_bwd_sm90_gpu.py tests/test_mods_bwd_gpu.py tests/test_backward.py" \
+         PYTEST_ARGS="$BWD_GPU_TESTS tests/test_backward.py" \
            STEPS=pytest T_pytest=190 bash tools/h200_run.sh 2>&1 | tail -3
          STEPS=memcheck T_memcheck=180 bash tools/h200_run.sh 2>&1 | tail -3 ;;
   s34min) # ~5 min: the backward GPU tests, then the backward grid's 1k and 4k cells against cuDNN
-         PYTEST_ARGS="tests/test_bwd_sm90_gpu.py tests/test_mods_bwd_gpu.py tests/test_backward.py" \
+         PYTEST_ARGS="$BWD_GPU_TESTS tests/test_backward.py" \
            STEPS=pytest T_pytest=180 bash tools/h200_run.sh 2>&1 | tail -3
          PYTHONPATH=. timeout 100 python3 -m kernelgen.cli bench --pass bwd --head-dims 64 128 \
            --seqlens 1024 4096 --systems kernelgen sdpa_cudnn --out "$OUT" 2>&1 \
            | tee "$OUT/bwdgrid.txt" | tail -10 ;;
   s34last) # ~3.5 min: the Hopper backward's GPU tests alone (the last minutes of a budget)
-         PYTEST_ARGS="tests/test_bwd_sm90_gpu.py tests/test_mods_bwd_gpu.py" \
+         PYTEST_ARGS="$BWD_GPU_TESTS" \
            STEPS=pytest T_pytest=200 bash tools/h200_run.sh 2>&1 | tail -3 ;;
   s34causal) # ~3 min: §91's peel, old (.ab/old = 98f1086: before §90 too) against new, causal 1k
          [ -d .ab/old/kernelgen ] || { echo "carry .ab/old (git archive 98f1086)"; exit 2; }
-         kt() { (cd "$1" && PYTHONPATH=. timeout 100 python3 "$R/tools/wip/bwd_kernels.py" "${@:3}" 2>&1 \
-                  | grep -E "^---|bwd_sm90" | sed "s|^|$2 |"); }
          { kt .ab/old old --causal --seqlen 1024 --mods softcap; kt . new --causal --seqlen 1024 --mods softcap
            kt .ab/old old --causal --seqlen 1024 --head-dim 64 --mods softcap
            kt . new --causal --seqlen 1024 --head-dim 64 --mods softcap; } | tee "$OUT/s34causal.txt" ;;
   s33ab) # §90: old (.ab/old = 98f1086) against new, interleaved: hd64 (the barrier), hd128 (the
          # stats before the waits; packed / varlen / window: the count and the verdicts)
          [ -d .ab/old/kernelgen ] || { echo "carry .ab/old (git archive 98f1086)"; exit 2; }
-         kt() { (cd "$1" && PYTHONPATH=. timeout 100 python3 "$R/tools/wip/bwd_kernels.py" "${@:3}" 2>&1 \
-                  | grep -E "^---|bwd_sm90" | sed "s|^|$2 |"); }
          for r in 1 2; do
            kt .ab/old old$r --head-dim 64 --mods document packed; kt . new$r --head-dim 64 --mods document packed
            kt .ab/old old$r --mods document packed varlen window; kt . new$r --mods document packed varlen window
@@ -143,8 +141,6 @@ case $1 in
            --seqlens 4096 --out "$OUT/mods" 2>&1 | tee "$OUT/modsbwd.txt" | tail -13 ;;
   s34) # ~8 min: s33ab cut to one round (hd64 document, hd128 packed / varlen), then s33bench
          [ -d .ab/old/kernelgen ] || { echo "carry .ab/old (git archive 98f1086)"; exit 2; }
-         kt() { (cd "$1" && PYTHONPATH=. timeout 100 python3 "$R/tools/wip/bwd_kernels.py" "${@:3}" 2>&1 \
-                  | grep -E "^---|bwd_sm90" | sed "s|^|$2 |"); }
          { kt .ab/old old --head-dim 64 --mods document; kt . new --head-dim 64 --mods document
            kt .ab/old old --mods packed varlen; kt . new --mods packed varlen; } | tee "$OUT/s34ab.txt"
          bash "$0" s33bench ;;
