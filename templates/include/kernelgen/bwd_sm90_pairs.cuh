@@ -194,18 +194,19 @@ struct BwdWalk {
     }
 };
 
-// Whether none of consumer `wg`'s 64 keys is seen by the rows of pair 0, the first head's
-// diagonal query tile (the second consumer's in every KV tile where seqlen_k - seqlen_q is a
-// multiple of 64, in most otherwise), which the walk visits last (kBwdPeelDiagonal) so that the
-// consumer takes it after its loop without its GEMMs (flash_bwd_sm90.cuh).
+// Whether none of the second consumer's 64 keys is seen by the rows of pair 0, the first head's
+// diagonal query tile (so in every KV tile where seqlen_k - seqlen_q is a multiple of 64, in most
+// otherwise; the first consumer's keys always meet the diagonal), which the walk visits last
+// (kBwdPeelDiagonal) so that the consumer takes it after its loop without its GEMMs
+// (flash_bwd_sm90.cuh).
 template <class C, class Mods>
 __device__ __forceinline__ bool bwd_hidden_last(const BwdArgs<typename C::Elem>& a,
-                                                const BwdWork& w, int wg) {
+                                                const BwdWork& w) {
     if constexpr (!kBwdPeelDiagonal<C, Mods>) {
         return false;
     } else {
         const int q_last = min(w.m0(0, C::kBlockM) + C::kBlockM, a.seqlen_q) - 1;
-        return w.kv0 + 64 * wg > q_last + a.seqlen_k - a.seqlen_q;
+        return w.kv0 + 64 > q_last + a.seqlen_k - a.seqlen_q;
     }
 }
 

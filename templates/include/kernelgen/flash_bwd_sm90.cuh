@@ -393,7 +393,7 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
     // after the loop, not a branch in it: ptxas serialized or spilled every branch around the
     // GEMMs there (§90). Both warpgroups peel (the first runs the pair in full), so the loop's
     // bound depends on the CTA alone: a bound per warpgroup was one live register more, spilled.
-    const bool peel = bwd_hidden_last<C, Mods>(a, w, 1);
+    const bool peel = bwd_hidden_last<C, Mods>(a, w);
     int it = 0;
     for (const int n = w.n_iter - int(peel); it < n; ++it) pair_step(it, Bool<false>{});
     if (peel) {
