@@ -142,7 +142,7 @@ constexpr bool kBwdPeelDiagonal =
 // A block mask's entry is re-read from its lists (global memory, L1) per use, as in the sm80 kernel.
 struct BwdPair {
     int head, m0;
-    int partial;  // the mask_mod per element: a block mask's partial tile; bwd_partial_bits
+    int partial;  // a block mask's partially visible tile: the mask_mod per element
 };
 
 template <class C, class Mods>
@@ -211,27 +211,10 @@ __device__ __forceinline__ bool bwd_hidden_last(const BwdArgs<typename C::Elem>&
 }
 
 // A slot's pair as the producer leaves it for the consumers (kBwdSlotPairs): 16 bytes, one
-// shared-memory load each. `partial`: bwd_partial_bits.
+// shared-memory load each. `partial`: a block mask's partially visible tile.
 struct alignas(16) BwdSlotPair {
     int head, m0, partial, unused;
 };
-
-// With a kv range and a mask_mod, a slot's `partial` (a block mask's: a flag for the whole tile):
-// bit g set where consumer g's 64 keys need the mask_mod per element (mod_mask_needed). The stats
-// warp finds it beside its loads of the slot's LSE and D; in the consumers, the bounds' loads (an
-// L2 round trip where they are tensors: packed, varlen) sat between the issue of S^T and the
-// wait for it, every pair (PERF_NOTES §90).
-template <class C, class Mods>
-__device__ __forceinline__ int bwd_partial_bits(const BwdWalk<C, Mods>& walk, const BwdPair& pair) {
-    const auto& a = walk.a;
-    const int q_last = min(pair.m0 + C::kBlockM, a.seqlen_q) - 1;
-    int bits = 0;
-    #pragma unroll
-    for (int g = 0; g < C::kConsumers; ++g)
-        bits |= int(mod_mask_needed<64>(walk.mods, walk.w.kv0 + 64 * g, pair.m0, q_last,
-                                        walk.w.batch, pair.head, a.seqlen_q, a.seqlen_k)) << g;
-    return bits;
-}
 
 // The ring's slot pairs (kBwdSlotPairs; [STAGES]) and the consumers' dQ pairs ([kConsumers]).
 template <class C>

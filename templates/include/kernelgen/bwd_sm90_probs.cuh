@@ -32,9 +32,11 @@ __device__ __forceinline__ void fence_packed(Packed<N>& p) {
 // This lane's two queries' stats (LSE * log2e, or D) in each of the pair's BLOCK_M / 8 column
 // groups, [i] giving group i's pair (the lane's lane_col and lane_col + 1; stats + 8 i in the
 // slot). Read into registers by load(), before the waits for S^T and dP^T, so the loads run
-// beside the GEMMs (PERF_NOTES §90); at head_dim 96, whose consumers sit at the register limit
-// (ptxas spilled 24-132 bytes with the early reads), read from shared memory where used.
-template <class C, bool EARLY = C::kHeadDim != 96>
+// beside the GEMMs (PERF_NOTES §90): packed and varlen 1.5-2.5% faster, full attention flat. Not
+// causal (read from shared memory where used): there the early reads cost 2% (plain hd128 1k)
+// to 8% (softcap) (§92); nor at head_dim 96, whose consumers sit at the register limit (ptxas
+// spilled 24-132 bytes with them).
+template <class C, bool EARLY = C::kHeadDim != 96 && !C::kCausal>
 struct LaneStats {
     float2 v[C::kBlockM / 8];
     __device__ __forceinline__ void load(const float* stats) {

@@ -141,10 +141,6 @@ __device__ __forceinline__ void bwd_produce_stats(const BwdArgs<typename C::Elem
             stats[r] = inside ? a.lse[row0 + r] * kLog2e : 0.f;
             stats[C::kBlockM + r] = inside ? a.dsum[row0 + r] : 0.f;
         }
-        // With a kv range, the consumers' mask_mod verdicts per warpgroup (bwd_partial_bits),
-        // found beside the stats' loads: the loads' thread spilled with them (hd64 causal).
-        if constexpr (Mods::kMaskMod && kBwdSkipPairs<Mods>)
-            if (lane == 0) slot_pairs<C>(tiles)[s].partial = bwd_partial_bits(walk, pair);
         mbarrier_arrive(bar.full(s));
     }
 }
@@ -260,7 +256,8 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
             issue_sdp<C>(acc_s, desc_k, desc_q + slot);
             issue_sdp<C>(acc_dp, desc_v, desc_do + slot);
             // This lane's LSE (times log2 e) of the pair's queries, read while the GEMMs run: read
-            // after the wait, the first exp2 stalled on them (PERF_NOTES §89). Not at head_dim 96.
+            // after the wait, the first exp2 stalled on them (PERF_NOTES §89). Not everywhere:
+            // LaneStats says where.
             LaneStats<C> lse;
             lse.load(lse2 + lane_col);
 
@@ -271,15 +268,19 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
             bool need_mask = w.kv0 + 64 * wg + 64 > a.seqlen_k;
             if constexpr (C::kCausal) need_mask |= w.kv0 + 64 * wg + 63 > m0 + shift;
             // The mask_mod per element: in a block mask's partial tiles, else unless the kv range
-            // vouches for this warpgroup's 64 keys and the tile's rows (the producer's verdict,
-            // bwd_partial_bits). Its verdicts are taken while the GEMMs run (kEarlyModBits).
+            // vouches for this warpgroup's 64 keys and the tile's rows. Found here, while the
+            // GEMMs run: found by the stats warp beside its loads, it put the bounds' loads on the
+            // slot's full barrier, and packed / varlen ran 4-6% slower (PERF_NOTES §92). Its
+            // verdicts are taken while the GEMMs run too (kEarlyModBits).
             bool need_mod_mask = Mods::kMaskMod;
             u32 mod_hidden = 0;
             if constexpr (Mods::kMaskMod) {
                 if constexpr (Mods::kBlockSparse)
                     need_mod_mask = pair.partial != 0;
                 else if constexpr (Mods::kKvRange)
-                    need_mod_mask = (pair.partial >> wg) & 1;
+                    need_mod_mask = mod_mask_needed<64>(walk.mods, w.kv0 + 64 * wg, m0,
+                                                        min(m0 + C::kBlockM, a.seqlen_q) - 1,
+                                                        w.batch, head, a.seqlen_q, a.seqlen_k);
                 if (kEarlyModBits<C> && need_mod_mask)
                     mod_hidden = bwd_mod_hidden_bits<C>(a, walk.mods, w.batch, head, key0, query0);
             }
