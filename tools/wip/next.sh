@@ -29,6 +29,7 @@
 #                                  #   98f1086), main-kernel times hd64 / hd128, plain and masked
 #   bash tools/wip/next.sh s33bench # ~4 min: the backward grid, then the modifier backward at 4k
 #   bash tools/wip/next.sh s33stalls # ~2 min: PC sampling of the packed and varlen backward, SASS kept
+#   TREES="old:.ab/old new:." bash tools/wip/next.sh s35ab # ~3.5 min a round: backward kernel times by tree
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
@@ -144,10 +145,20 @@ case $1 in
          { kt .ab/old old --head-dim 64 --mods document; kt . new --head-dim 64 --mods document
            kt .ab/old old --mods packed varlen; kt . new --mods packed varlen; } | tee "$OUT/s34ab.txt"
          bash "$0" s33bench ;;
+  s35ab) # ~3.5 min a round (PERF_NOTES §92): backward main-kernel times tree by tree, interleaved
+         # per case. TREES: tag:path list (default old:.ab/old new:.; carry the .ab/ trees, e.g.
+         # git archive 98f1086 | tar -x -C .ab/old); ROUNDS (default 1).
+         for r in $(seq "${ROUNDS:-1}"); do
+           for args in "--mods packed varlen" "--causal --mods window packed" \
+                       "--causal --seqlen 1024 --mods softcap" "--causal --seqlen 1024 --head-dim 64 --mods softcap"; do
+             echo "=== $args"
+             for t in ${TREES:-old:.ab/old new:.}; do kt "${t#*:}" "${t%%:*}" $args; done
+           done
+         done 2>&1 | tee -a "$OUT/s35ab.txt" | grep -E "===|bwd_sm90" ;;
   s33stalls) # ~2 min: where the packed and varlen backward wait after §90 (hd128 4k), the SASS kept
          # (the .ncu-rep files are dropped so that the csv files come back)
          STEPS=ncusrc T_ncusrc=120 NCU_TOP=40 NCU_CASES="flash_attn_bwd_sm90@--backward --seqlen 4096 --mod packed;flash_attn_bwd_sm90@--backward --seqlen 4096 --mod varlen" \
            bash tools/h200_run.sh 2>&1 | tee "$OUT/s33stalls.txt" | grep -E "^---|instructions|by opcode|^ *[0-9.]+% +[0-9.]+% " | cut -c1-150 | head -60
          rm -f "$OUT"/*.ncu-rep ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal"; exit 2 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab"; exit 2 ;;
 esac
