@@ -84,11 +84,12 @@ class DeviceLimit(Exception):
     pass
 
 
-def prune(spec: KernelSpec, variant: Variant, limits: DeviceLimits) -> tuple[list[Config], list[Trial]]:
-    """The spec's valid configs that fit the device (less its tune.skip ones), and a trial for each
-    one that does not."""
+def prune(spec: KernelSpec, variant: Variant, limits: DeviceLimits,
+          configs: Sequence[Config] | None = None) -> tuple[list[Config], list[Trial]]:
+    """`configs` (default: the spec's valid configs less its tune.skip ones) that fit the device,
+    and a trial for each one that does not."""
     kept, rejected = [], []
-    for config in spec.tuned_configs(variant):
+    for config in spec.tuned_configs(variant) if configs is None else configs:
         values = spec.environment(variant, config)
         threads = math.prod(int(e(values)) for e in spec.block)
         smem = int(spec.smem(values))

@@ -28,6 +28,7 @@ import sys
 import threading
 import types
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,13 +110,15 @@ class TuneResult:
 def tune(spec, problem: Problem, *, variant: Variant | None = None, arch: str | None = None,
          device: int | None = None, jobs: int | None = None, rep_ms: float = 50.0,
          save: bool = True, progress: bool = False, mod_values: dict | None = None,
-         **params) -> TuneResult:
+         configs: Sequence[Config | Mapping] | None = None, **params) -> TuneResult:
     """Tune one variant of `spec` (a name, a path or a KernelSpec) for `problem` on a GPU.
 
     The variant is `variant`, or built from `params` (missing ones take their defaults) on `arch`
     (default: the device's). Every trial is recorded in the tuning DB unless save=False, and the
     winner answers lookup() for the problem's bucket from then on. A spec with mods tunes on the
-    values of its mod arguments, `mod_values` by name (measure_mods.py).
+    values of its mod arguments, `mod_values` by name (measure_mods.py). `configs` (Configs, or
+    mappings of the tune space's keys) narrows the search to those, as a Triton autotune list
+    does; each must satisfy the spec's constraints, and may be one its tune.skip leaves out.
     """
     import torch
 
@@ -130,8 +133,9 @@ def tune(spec, problem: Problem, *, variant: Variant | None = None, arch: str | 
         variant = spec.variant(arch or api.pick_arch(spec, device), **params)
     elif params or arch:
         raise TypeError("tune: give either a variant or its params and arch, not both")
+    given = None if configs is None else _given_configs(spec, variant, configs)
     identity, limits = gpu_identity(device), measure.device_limits(device)
-    configs, rejected = prune(spec, variant, limits)
+    configs, rejected = prune(spec, variant, limits, given)
     with torch.cuda.device(device):
         workload_class, candidate_class = _measurers(spec)
         extra = {} if mod_values is None else {"mod_values": mod_values}
@@ -150,6 +154,29 @@ def tune(spec, problem: Problem, *, variant: Variant | None = None, arch: str | 
     if result.chosen is not None:
         _remember(spec, variant, problem, device, Choice(result.chosen.config, "tuned"))
     return result
+
+
+def _given_configs(spec: KernelSpec, variant: Variant, configs) -> list[Config]:
+    """tune()'s `configs`, each parsed and checked against the spec's constraints before anything
+    compiles; an error names the entry."""
+    if isinstance(configs, (str, bytes, Mapping, Config)) or not isinstance(configs, Iterable):
+        raise TypeError(f"tune: configs must be a list of configs, not {type(configs).__name__}")
+    parsed = []
+    for i, config in enumerate(configs):
+        try:
+            config = config if isinstance(config, Config) else spec.parse_config(config)
+        except (SpecError, TypeError, AttributeError) as exc:
+            raise TuneError(f"tune: configs[{i}]: {exc}") from None
+        failing = spec.violations(variant, config)
+        if failing:
+            raise TuneError(f"tune: configs[{i}] ({config.slug}) breaks {spec.name}'s constraints "
+                            f"for {variant.slug}: " + "; ".join(failing))
+        if config not in parsed:
+            parsed.append(config)
+    if not parsed:
+        raise TuneError("tune: configs is empty; give at least one config, or None for the "
+                        "spec's whole search")
+    return parsed
 
 
 def _measurers(spec: KernelSpec):

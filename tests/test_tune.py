@@ -293,6 +293,13 @@ def test_tune_end_to_end_with_a_fake_gpu(fake_gpu, spec, variant, monkeypatch, c
     monkeypatch.setattr(measure, "AttentionCandidate", Candidate)
     monkeypatch.setattr(cache, "compile_cached", fake_compile)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    # configs= narrows the search to those given (Configs or mappings); a duplicate is searched
+    # once.
+    given = [cfg(64, 128), fastest.as_dict(), cfg(64, 128)]
+    narrowed = tune.tune(spec, PROBLEM, variant=variant, device=0, save=False, configs=given)
+    assert sorted(t.config.slug for t in narrowed.trials) == sorted([cfg(64, 128).slug, fastest.slug])
+    assert narrowed.chosen.config == fastest
+    tune.clear_memo()
     result = tune.tune(spec, PROBLEM, variant=variant, device=0, progress=True)
     assert result.chosen.config == fastest
     assert {t.config for t in result.trials} == set(spec.valid_configs(variant))
@@ -543,6 +550,26 @@ def test_nothing_is_tuned_during_graph_capture(fake_tuner, spec, variant, monkey
     monkeypatch.delenv("KERNELGEN_AUTOTUNE")
     env.reload_settings()
     assert tune.resolve(spec, variant, Problem(1, 16, 16, 512, 512), device=0).source == "heuristic"
+
+
+BASE = cfg(64).as_dict()
+
+
+@pytest.mark.parametrize("configs, match", [
+    ([{**BASE, "block_m": 96}], r"configs\[0\]: .*block_m"),        # not a value of the space
+    ([BASE, {**BASE, "blok_n": 64}], r"configs\[1\]: .*blok_n"),    # not a key of the space
+    ([{**BASE, "block_n": 128, "block_m": 128}], r"configs\[0\] .* constraints"),
+    ([], "configs is empty"),
+])
+def test_tune_configs_are_checked_before_anything_compiles(spec, variant, configs, match):
+    # No device, no compiler here: the error comes first, naming the entry.
+    with pytest.raises(TuneError, match=match):
+        tune.tune(spec, PROBLEM, variant=variant, device=0, configs=configs)
+
+
+def test_tune_configs_must_be_a_list(spec, variant):
+    with pytest.raises(TypeError, match="list of configs, not dict"):
+        tune.tune(spec, PROBLEM, variant=variant, device=0, configs={"block_m": 64})
 
 
 def test_tune_itself_refuses_during_capture(spec, monkeypatch):

@@ -47,8 +47,17 @@ def _documents(batch: int, seqlen: int) -> torch.Tensor:
     return ids.cuda()
 
 
-def _tuned(spec, mod_values):
-    result = tune.tune(spec, PROBLEM, device=0, mod_values=mod_values,
+def _few(spec, variant, count: int = 6) -> list:
+    """The default config and a spread of the tuner's others: the Hopper forward's whole search
+    (966 configs at hd64) takes minutes per tune, which the tuning plumbing tested here does not
+    need (test_tune_gpu.py runs a whole search of the mma.sync forward)."""
+    space = spec.tuned_configs(variant)
+    default = spec.default_config(variant)
+    return [default] + [c for c in space[::max(1, len(space) // (count - 1))] if c != default]
+
+
+def _tuned(spec, mod_values, configs=None):
+    result = tune.tune(spec, PROBLEM, device=0, mod_values=mod_values, configs=configs,
                        **{k: v for k, v in PARAMS.items() if k in {p.name for p in spec.params}})
     assert result.chosen is not None, "no config passed the check"
     statuses = {t.status for t in result.trials}
@@ -64,7 +73,9 @@ def test_softcap_forward_on_hopper_tunes_and_runs_the_choice():
     import kernelgen
 
     spec = load_spec("flash_attn_softcap", onto="flash_attn_fwd_sm90")
-    result = _tuned(spec, {"softcap": SOFTCAP})
+    configs = _few(spec, spec.variant("sm_90a", **PARAMS))
+    result = _tuned(spec, {"softcap": SOFTCAP}, configs)
+    assert {t.config for t in result.trials} == set(configs)   # configs= narrowed the search
     # AttentionKernel's Hopper path looks the config up: the tuned one runs, and is correct.
     q, k, v = (torch.randn(PROBLEM.batch, PROBLEM.seqlen_q, h, PARAMS["head_dim"], device="cuda",
                            dtype=torch.bfloat16) for h in (PROBLEM.heads, PROBLEM.heads_k,
@@ -91,8 +102,12 @@ def test_window_backward_tunes():
     assert all(math.isfinite(t.timing.median_ms) for t in result.trials if t.status == "ok")
 
 
-def test_attention_kernel_tune_fills_the_db_its_calls_read():
+def test_attention_kernel_tune_fills_the_db_its_calls_read(monkeypatch):
     import kernelgen
+
+    whole = tune.prune   # AttentionKernel.tune searches whole spaces: narrow them (see _few)
+    monkeypatch.setattr(tune, "prune", lambda spec, variant, limits, configs=None: whole(
+        spec, variant, limits, _few(spec, variant) if configs is None else configs))
 
     kernel = kernelgen.load("flash_attn_alibi", **PARAMS)
     q, k, v = (torch.randn(PROBLEM.batch, PROBLEM.seqlen_q, h, PARAMS["head_dim"], device="cuda",

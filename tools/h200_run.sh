@@ -83,7 +83,7 @@ for step in $STEPS; do
     # -v: each test's outcome as it ends, so a run cut by its timeout still names its failures.
     pytest)  gpu_tests -v ${PYTEST_ARGS} | tee -a "$OUT/pytest.log" \
                | grep -E "FAILED|ERROR|passed|failed|^E " | tail -30 ;;
-    all)     gpu_tests -v tests/ | tee "$OUT/all.log" | grep -E "FAILED|ERROR|passed|failed|^E " | tail -30 ;;
+    all)     gpu_tests -vv tests/ | tee "$OUT/all.log" | grep -E "FAILED|ERROR|passed|failed|^E " | tail -30 ;;
     sm90)    gpu_tests tests/test_sm90_gpu.py | tee "$OUT/sm90.log" | tail -30 ;;
     memcheck|synccheck) # RAGGED_ARGS: tools/ragged.py's (--clusters: the short run)
              timeout $T compute-sanitizer --tool $step --report-api-errors no --error-exitcode 9 \
