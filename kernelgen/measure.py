@@ -217,3 +217,8 @@ class AttentionCandidate:
 
     def run(self) -> Timing:
         return Timing.of(time_samples(self.launch, rep_ms=self.rep_ms))
+
+    def screen(self) -> Timing:
+        # One round of a tenth of run()'s: ranks configs to about a percent (search.search).
+        return Timing.of(time_samples(self.launch, warmup_ms=2.0, rep_ms=self.rep_ms / 10,
+                                      min_repeats=5, rounds=1))

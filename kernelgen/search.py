@@ -1,10 +1,12 @@
 """The tuner's core loop: candidates in, trials out. Knows nothing of torch or of the GPU.
 
-A candidate is anything with a config and two hooks, check() (run once, compare with the
-reference) and run() (timed repeats); its build (render + compile) goes to a pool first. The rules
-live here, so a CPU test with fake candidates proves them: compile failures, spills and configs
-beyond the device never run; a candidate that fails its check is never timed, however fast; every
-trial is kept, not only the winner.
+A candidate is anything with a config and three hooks, check() (run once, compare with the
+reference), run() (timed repeats) and screen() (a short timing, for ranking); its build (render +
+compile) goes to a pool first. The rules live here, so a CPU test with fake candidates proves
+them: compile failures, spills and configs beyond the device never run; a candidate that fails
+its check is never timed, however fast; with more candidates than `finalists`, every checked one
+is screened and only the fastest of those (and the default config) are timed in full, and only
+they can win; every trial is kept, not only the winner.
 """
 from __future__ import annotations
 
@@ -59,13 +61,14 @@ class Timing:
         return cls(median, ordered[0], len(ordered))
 
 
-STATUSES = ("ok", "wrong", "spills", "device_limit", "compile_error", "run_error")
+# "screened": passed the check, timed only by screen() and not among the finalists.
+STATUSES = ("ok", "screened", "wrong", "spills", "device_limit", "compile_error", "run_error")
 
 
 @dataclass(frozen=True)
 class Trial:
     config: Config
-    status: str                      # one of STATUSES; only "ok" trials were timed
+    status: str                      # one of STATUSES; only "ok" trials were timed in full
     timing: Timing | None = None
     built: Built | None = None
     check: Check | None = None
@@ -78,6 +81,8 @@ class Candidate(Protocol):
     def check(self) -> Check: ...   # run once on the tuning inputs, compare with the reference
 
     def run(self) -> Timing: ...    # timed repeats
+
+    def screen(self) -> Timing: ... # a few timed repeats: enough to rank, not to choose
 
 
 class DeviceLimit(Exception):
@@ -115,23 +120,50 @@ def build(spec: KernelSpec, variant: Variant, limits: DeviceLimits, config: Conf
 
 
 def search(candidates: Sequence[Candidate], build: Callable[[Config], Built], pool: Executor,
-           on_trial: Callable[[Trial], None] | None = None) -> list[Trial]:
+           on_trial: Callable[[Trial], None] | None = None, finalists: int | None = None,
+           default: Config | None = None) -> list[Trial]:
     """Every candidate's build goes to `pool` at once; candidates are then checked and timed in
-    order as their builds finish, so candidate i is timed while later ones still compile."""
+    order as their builds finish, so candidate i is timed while later ones still compile.
+
+    With more candidates than `finalists`, a checked candidate is screened (a short timing)
+    instead, and then the `finalists` fastest by screening, with `default` among them if it
+    passed its check (so the winner is measured against it), are timed in full: the full timing
+    is most of a candidate's cost (warmup and rounds until two agree), and a screening misranks
+    only configs within its noise of each other, which the finalists' margin covers."""
+    screening = finalists is not None and finalists < len(candidates)
     futures = [pool.submit(build, candidate.config) for candidate in candidates]
     trials = []
     try:
         for candidate, future in zip(candidates, futures):
-            trials.append(_evaluate(candidate, future))
+            trials.append(_evaluate(candidate, future, screening))
             if on_trial is not None:
                 on_trial(trials[-1])
     finally:
         for future in futures:
             future.cancel()
+    if screening:
+        ranked = sorted((t for t in trials if t.status == "screened"), key=lambda t: t.timing.median_ms)
+        final = {t.config for t in ranked[:finalists]}
+        final |= {t.config for t in ranked if t.config == default}
+        for i, candidate in enumerate(candidates):
+            if trials[i].config in final:
+                trials[i] = _time(candidate, trials[i])
+                if on_trial is not None:
+                    on_trial(trials[i])
     return trials
 
 
-def _evaluate(candidate: Candidate, future: Future) -> Trial:
+def _time(candidate: Candidate, screened: Trial) -> Trial:
+    """A finalist's full timing; its build and check stay those of its screening."""
+    try:
+        return Trial(screened.config, "ok", timing=candidate.run(), built=screened.built,
+                     check=screened.check)
+    except Exception as exc:
+        return Trial(screened.config, "run_error", built=screened.built, check=screened.check,
+                     note=_first_line(exc))
+
+
+def _evaluate(candidate: Candidate, future: Future, screening: bool = False) -> Trial:
     config = candidate.config
     try:
         built = future.result()
@@ -146,6 +178,8 @@ def _evaluate(candidate: Candidate, future: Future) -> Trial:
         check = candidate.check()
         if not check.ok:   # correctness gates speed: a wrong candidate is never timed
             return Trial(config, "wrong", built=built, check=check, note=check.note)
+        if screening:
+            return Trial(config, "screened", timing=candidate.screen(), built=built, check=check)
         return Trial(config, "ok", timing=candidate.run(), built=built, check=check)
     except Exception as exc:
         return Trial(config, "run_error", built=built, note=_first_line(exc))

@@ -110,7 +110,8 @@ class TuneResult:
 def tune(spec, problem: Problem, *, variant: Variant | None = None, arch: str | None = None,
          device: int | None = None, jobs: int | None = None, rep_ms: float = 50.0,
          save: bool = True, progress: bool = False, mod_values: dict | None = None,
-         configs: Sequence[Config | Mapping] | None = None, **params) -> TuneResult:
+         configs: Sequence[Config | Mapping] | None = None, finalists: int | None = None,
+         **params) -> TuneResult:
     """Tune one variant of `spec` (a name, a path or a KernelSpec) for `problem` on a GPU.
 
     The variant is `variant`, or built from `params` (missing ones take their defaults) on `arch`
@@ -119,6 +120,9 @@ def tune(spec, problem: Problem, *, variant: Variant | None = None, arch: str | 
     values of its mod arguments, `mod_values` by name (measure_mods.py). `configs` (Configs, or
     mappings of the tune space's keys) narrows the search to those, as a Triton autotune list
     does; each must satisfy the spec's constraints, and may be one its tune.skip leaves out.
+    With more candidates than `finalists` (default: all up to 64, else a tenth, at least 32),
+    each is screened by a short timing and only that many fastest, and the default config, are
+    timed in full (search.search), which is most of a candidate's time (PERF_NOTES §95).
     """
     import torch
 
@@ -129,6 +133,9 @@ def tune(spec, problem: Problem, *, variant: Variant | None = None, arch: str | 
     if _capturing():
         raise TuneError("kernelgen.tune: cannot tune during CUDA-graph capture; tune (or run the "
                         "op once) before capturing")
+    if finalists is not None and (isinstance(finalists, bool) or not isinstance(finalists, int)
+                                  or finalists < 1):
+        raise TuneError(f"tune: finalists must be a whole number >= 1, not {finalists!r}")
     if variant is None:
         variant = spec.variant(arch or api.pick_arch(spec, device), **params)
     elif params or arch:
@@ -141,9 +148,12 @@ def tune(spec, problem: Problem, *, variant: Variant | None = None, arch: str | 
         extra = {} if mod_values is None else {"mod_values": mod_values}
         workload = workload_class(spec, variant, problem, device, **extra)
         candidates = [candidate_class(workload, spec, variant, c, rep_ms) for c in configs]
-        with _progress(progress, len(candidates), variant) as on_trial, \
+        kept = _finalists(len(candidates)) if finalists is None else finalists
+        timings = len(candidates) + (min(kept + 1, len(candidates)) if kept < len(candidates) else 0)
+        with _progress(progress, timings, variant) as on_trial, \
                 ThreadPoolExecutor(max_workers=jobs or _default_jobs(len(candidates))) as pool:
-            trials = search(candidates, functools.partial(build, spec, variant, limits), pool, on_trial)
+            trials = search(candidates, functools.partial(build, spec, variant, limits), pool,
+                            on_trial, kept, spec.default_config(variant))
         del workload, candidates
     trials += rejected
     result = TuneResult(spec.name, variant, problem, identity, tuple(trials), choose(trials),
@@ -154,6 +164,12 @@ def tune(spec, problem: Problem, *, variant: Variant | None = None, arch: str | 
     if result.chosen is not None:
         _remember(spec, variant, problem, device, Choice(result.chosen.config, "tuned"))
     return result
+
+
+def _finalists(count: int) -> int:
+    """How many candidates a search times in full: every one of a small space (the mma.sync
+    forward's 40, the backward's), a tenth of a large one (the Hopper forward's 966 at hd64)."""
+    return count if count <= 64 else max(32, count // 10)
 
 
 def _given_configs(spec: KernelSpec, variant: Variant, configs) -> list[Config]:

@@ -132,7 +132,7 @@ def summary(result: TuneResult) -> str:
     flops, default = _flops(result), result.trial(result.default)
     rate = f" {flops / chosen.timing.median_ms / 1e9:.1f} TFLOP/s," if flops else ""
     versus = (f" {default.timing.median_ms / chosen.timing.median_ms:.2f}x the default"
-              if default is not None and default.timing else " (the default was not timed)")
+              if default is not None and default.status == "ok" else " (the default was not timed)")
     return (f"{result.variant.slug} {result.problem.bucket().slug}: chosen {chosen.config.slug}:"
             f"{rate} {chosen.timing.median_ms:.4f} ms,{versus}")
 
@@ -150,6 +150,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--causal", choices=["both", "true", "false"], default="both")
     parser.add_argument("-j", "--jobs", type=int, metavar="N", help="parallel compiles")
     parser.add_argument("--rep-ms", type=float, default=50.0, help="timing per round and config")
+    parser.add_argument("--finalists", type=int, metavar="N",
+                        help="time N configs in full, the fastest of a short screening of all "
+                             "(default: all up to 64, else a tenth, at least 32)")
     parser.add_argument("--top", type=int, default=0, metavar="N", help="show the N fastest only")
     parser.add_argument("--no-save", action="store_true", help="do not record in the tuning DB")
     parser.add_argument("--onto", choices=["flash_attn_fwd_sm90", "flash_attn_bwd"],
@@ -231,6 +234,8 @@ def _run(opts) -> int:
         print(f"[{number}/{len(jobs)}] tuning {job.spec} {dict(job.params)} {job.problem}", flush=True)
         spec = load_spec(job.spec, onto=job.onto) if job.onto else job.spec
         extra = {"mod_values": dict(job.mod_values)} if job.mod_values else {}
+        if opts.finalists is not None:
+            extra["finalists"] = opts.finalists
         result = tuning.tune(spec, job.problem, arch=opts.arch, jobs=opts.jobs,
                              rep_ms=opts.rep_ms, save=not opts.no_save, progress=True,
                              **extra, **dict(job.params))

@@ -95,7 +95,7 @@ class Key:
 @dataclass(frozen=True)
 class TrialRow:
     config: Config
-    status: str           # tune.Trial.status: ok, wrong, spills, compile_error, run_error, device_limit
+    status: str           # tune.Trial.status: ok, screened, wrong, spills, compile_error, run_error, device_limit
     median_ms: float | None = None
     min_ms: float | None = None
     samples: int = 0

@@ -99,6 +99,14 @@ class FakeCandidate:
             raise RuntimeError("launch timed out")
         return Timing(self.ms, self.ms * 0.97, 40)
 
+    def screen(self) -> Timing:
+        # A screening's noise: 2% either way, which may misrank close configs but not far ones.
+        self.events.append(("screen", self.config))
+        if self.fail == "screen":
+            raise RuntimeError("launch timed out")
+        noisy = self.ms * (0.98 if hash(self.config) % 2 else 1.02)
+        return Timing(noisy, noisy * 0.97, 5)
+
 
 def fake_build(outcomes: dict):
     def build(config: Config) -> Built:
@@ -135,6 +143,34 @@ def test_a_wrong_candidate_never_wins_however_fast():
     assert trials[1].check.max_error == 0.9 and "0.9 > 0.008" in trials[1].note
     assert trials[3].note == "CompileError: NVRTC failed to compile x"
     assert trials[6].note == "RuntimeError: illegal memory access"
+
+
+def test_screening_times_only_the_fastest_and_the_default_in_full():
+    events = []
+    times = {cfg(64): 3.0, cfg(128): 1.0, cfg(256): 1.01, cfg(64, 128): 2.0, cfg(128, 128): 0.5,
+             cfg(128, 32): 4.0}
+    candidates = [FakeCandidate(c, ms, events=events) for c, ms in times.items()]
+    candidates[4].correct = False                                   # fastest, wrong
+    candidates.append(FakeCandidate(cfg(256, 128), 0.1, events=events, fail="screen"))
+    default = cfg(128, 32)                                          # the slowest that passes
+    with ThreadPoolExecutor(2) as pool:
+        trials = search.search(candidates, fake_build({}), pool, finalists=2, default=default)
+    status = {t.config: t.status for t in trials}
+    assert [t.config for t in trials] == [c.config for c in candidates]   # every trial kept
+    # cfg(128) and cfg(256) are 1% apart: a screening may misrank them, both are finalists.
+    assert status == {cfg(64): "screened", cfg(128): "ok", cfg(256): "ok", cfg(64, 128): "screened",
+                      cfg(128, 128): "wrong", cfg(128, 32): "ok", cfg(256, 128): "run_error"}
+    timed = [c for kind, c in events if kind == "run"]
+    assert sorted(map(str, timed)) == sorted(map(str, [cfg(128), cfg(256), default]))
+    assert ("screen", cfg(128, 128)) not in events                 # wrong: never timed at all
+    assert search.choose(trials).config == cfg(128)                # the full timings decide
+    assert search.choose(trials).timing.samples == 40
+    assert next(t for t in trials if t.config == cfg(64)).timing.samples == 5   # screening kept
+    # No more candidates than finalists: no screening at all.
+    events.clear()
+    with ThreadPoolExecutor(2) as pool:
+        trials = search.search(candidates[:3], fake_build({}), pool, finalists=3, default=default)
+    assert {t.status for t in trials} == {"ok"} and not [e for e in events if e[0] == "screen"]
 
 
 def test_nothing_passes_nothing_is_chosen():
@@ -565,6 +601,17 @@ def test_tune_configs_are_checked_before_anything_compiles(spec, variant, config
     # No device, no compiler here: the error comes first, naming the entry.
     with pytest.raises(TuneError, match=match):
         tune.tune(spec, PROBLEM, variant=variant, device=0, configs=configs)
+
+
+@pytest.mark.parametrize("finalists", [0, -3, 2.5, True])
+def test_tune_finalists_must_be_a_count(spec, variant, finalists):
+    with pytest.raises(TuneError, match="finalists must be a whole number"):
+        tune.tune(spec, PROBLEM, variant=variant, device=0, finalists=finalists)
+
+
+def test_finalists_by_default():
+    # Small spaces are timed in full, as before screening existed; large ones keep a tenth.
+    assert [tune._finalists(n) for n in (23, 40, 64, 65, 966, 7612)] == [23, 40, 64, 32, 96, 761]
 
 
 def test_tune_configs_must_be_a_list(spec, variant):

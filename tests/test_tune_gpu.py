@@ -174,6 +174,19 @@ def test_tuned_is_not_slower_than_the_default(cache_dir):
     assert best["tuned"] <= best["default"] * 1.05, best
 
 
+def test_screening_finds_a_winner_as_fast_as_the_whole_search(tuned):
+    """finalists=6: all 40 configs screened, six (and the default) timed in full. The winner is
+    within the timing noise of the whole search's (the `tuned` fixture, same problem)."""
+    _, spec, full = tuned
+    result = tune.tune(spec, SMALL, device=0, save=False, finalists=6, **SMALL_PARAMS)
+    statuses = [t.status for t in result.trials]
+    assert 1 <= statuses.count("ok") <= 7 and statuses.count("screened") >= 20, statuses
+    assert result.trial(result.default).status == "ok"   # measured against the default
+    assert result.chosen.status == "ok"
+    assert result.chosen.timing.median_ms <= full.chosen.timing.median_ms * 1.10, \
+        (result.chosen.config.slug, full.chosen.config.slug)
+
+
 def test_lookup_never_tunes_during_graph_capture(tuned, monkeypatch):
     _, spec, result = tuned
     assert tune.lookup(spec, result.variant, SMALL, device=0) == result.chosen.config   # memoized
