@@ -95,10 +95,11 @@ for step in $STEPS; do
                --set head_dim=128 --set dtype=bf16 --set causal=$c \
                --shape batch=4,seqlen=4096,heads=16 2>&1 | tail -12; done | tee "$OUT/tune128.log" ;;
     grid)    # GRID_ARGS: argument sets of one preset's tune runs separated by ';' (the export after
-             # each holds the whole DB, so the last one has every run)
+             # each holds the whole DB, so the last one has every run); FINALISTS: how many configs
+             # are timed in full (default: every one, as the shipped table was tuned: PERF_NOTES §95)
              IFS=';' read -ra runs <<< "${GRID_ARGS:- }"
              for args in "${runs[@]}"; do
-               timeout $T python3 -m kernelgen.cli tune --preset ${PRESET:-fwd-grid} --top ${TOP:-4} \
+               timeout $T python3 -m kernelgen.cli tune --preset ${PRESET:-fwd-grid} --top ${TOP:-4} --finalists ${FINALISTS:-100000} \
                  --export "$OUT/tuned_${PRESET:-fwd-grid}.json" $args 2>&1 | tee -a "$OUT/grid.log" \
                  | grep -v '^\[' | grep -E "chosen|summary|wrote|Error|error" | tail -${GRID_TAIL:-40}
              done ;;

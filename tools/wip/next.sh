@@ -30,6 +30,7 @@
 #   bash tools/wip/next.sh s33bench # ~4 min: the backward grid, then the modifier backward at 4k
 #   bash tools/wip/next.sh s33stalls # ~2 min: PC sampling of the packed and varlen backward, SASS kept
 #   TREES="old:.ab/old new:." bash tools/wip/next.sh s35ab # ~3.5 min a round: backward kernel times by tree
+#   bash tools/wip/next.sh screen  # <= 9.5 min: the tuner's screening against the whole search (§95)
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
@@ -155,10 +156,19 @@ case $1 in
              for t in ${TREES:-old:.ab/old new:.}; do kt "${t#*:}" "${t%%:*}" $args; done
            done
          done 2>&1 | tee -a "$OUT/s35ab.txt" | grep -E "===|bwd_sm90" ;;
+  screen) # <= 9.5 min (PERF_NOTES §95): one Hopper forward tune screened (default finalists), then
+         # the whole search, each in a cache of its own (both compile everything): wall time, winner
+         for f in "--finalists 96" "--finalists 100000"; do
+           t0=$(date +%s)
+           KERNELGEN_CACHE_DIR=$(mktemp -d) PYTHONPATH=. timeout 270 python3 -m kernelgen.cli tune \
+             flash_attn_fwd_sm90 --set head_dim=64 --set causal=false --shape batch=4,seqlen=2048,heads=16 \
+             --no-save --top 3 $f 2>&1 | grep -v '^\[' | tee -a "$OUT/screen.txt" | tail -6
+           echo "$f: wall $(( $(date +%s) - t0 )) s" | tee -a "$OUT/screen.txt"
+         done ;;
   s33stalls) # ~2 min: where the packed and varlen backward wait after §90 (hd128 4k), the SASS kept
          # (the .ncu-rep files are dropped so that the csv files come back)
          STEPS=ncusrc T_ncusrc=120 NCU_TOP=40 NCU_CASES="flash_attn_bwd_sm90@--backward --seqlen 4096 --mod packed;flash_attn_bwd_sm90@--backward --seqlen 4096 --mod varlen" \
            bash tools/h200_run.sh 2>&1 | tee "$OUT/s33stalls.txt" | grep -E "^---|instructions|by opcode|^ *[0-9.]+% +[0-9.]+% " | cut -c1-150 | head -60
          rm -f "$OUT"/*.ncu-rep ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab"; exit 2 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen"; exit 2 ;;
 esac
