@@ -2,9 +2,11 @@
 masked backward's time goes (prep, main, dQ cast) against the plain kernel's.
 
     PYTHONPATH=. python tools/wip/bwd_kernels.py [--mods document packed varlen] [--causal]
+        [--config '{"persistent": 1}']   (keys set on every Hopper backward main kernel's config)
 """
 import argparse
 import collections
+import json
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -17,7 +19,18 @@ parser.add_argument("--mods", nargs="+", default=["document", "packed", "varlen"
 parser.add_argument("--causal", action="store_true")
 parser.add_argument("--seqlen", type=int, default=4096)
 parser.add_argument("--head-dim", type=int, default=128)
+parser.add_argument("--config", type=json.loads, default={})
 args = parser.parse_args()
+if args.config:   # every Hopper backward main kernel's config with these keys set (tune.lookup)
+    from kernelgen import tune
+    _lookup = tune.lookup
+
+    def lookup(spec, variant, problem, device=None):
+        config = _lookup(spec, variant, problem, device)
+        if "flash_attn_bwd_sm90" in spec.name:
+            config = spec.parse_config({**config.as_dict(), **args.config})
+        return config
+    tune.lookup = lookup
 seqlen, hd = args.seqlen, args.head_dim
 batch, heads = 16384 // seqlen, 2048 // hd
 q, k, v, dout = (torch.randn(batch, seqlen, heads, hd, device="cuda", dtype=torch.bfloat16)

@@ -31,6 +31,7 @@
 #   bash tools/wip/next.sh s33stalls # ~2 min: PC sampling of the packed and varlen backward, SASS kept
 #   TREES="old:.ab/old new:." bash tools/wip/next.sh s35ab # ~3.5 min a round: backward kernel times by tree
 #   bash tools/wip/next.sh screen  # <= 9.5 min: the tuner's screening against the whole search (§95)
+#   bash tools/wip/next.sh persab  # ~6 min: the persistent backward patch, persistent 1 against 0 (§96)
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
@@ -165,10 +166,21 @@ case $1 in
              --no-save --top 3 $f 2>&1 | grep -v '^\[' | tee -a "$OUT/screen.txt" | tail -6
            echo "$f: wall $(( $(date +%s) - t0 )) s" | tee -a "$OUT/screen.txt"
          done ;;
+  persab) # ~6 min (PERF_NOTES §96): the persistent backward (carry .ab/pers: HEAD with
+         # tools/wip/persistent_bwd.patch applied) against its own persistent 0, main-kernel times;
+         # the mask cases spill with persistent 1 (measured anyway: the potential), ROUNDS (1)
+         for r in $(seq "${ROUNDS:-1}"); do
+           for args in "--mods packed document" "--causal --mods packed" "--causal --seqlen 1024 --mods softcap" \
+                       "--causal --seqlen 1024 --head-dim 64 --mods softcap" "--seqlen 1024 --mods document"; do
+             echo "=== $args"
+             kt .ab/pers p0 $args
+             kt .ab/pers p1 $args --config '{"persistent": 1}'
+           done
+         done 2>&1 | tee -a "$OUT/persab.txt" | grep -E "===|bwd_sm90" ;;
   s33stalls) # ~2 min: where the packed and varlen backward wait after §90 (hd128 4k), the SASS kept
          # (the .ncu-rep files are dropped so that the csv files come back)
          STEPS=ncusrc T_ncusrc=120 NCU_TOP=40 NCU_CASES="flash_attn_bwd_sm90@--backward --seqlen 4096 --mod packed;flash_attn_bwd_sm90@--backward --seqlen 4096 --mod varlen" \
            bash tools/h200_run.sh 2>&1 | tee "$OUT/s33stalls.txt" | grep -E "^---|instructions|by opcode|^ *[0-9.]+% +[0-9.]+% " | cut -c1-150 | head -60
          rm -f "$OUT"/*.ncu-rep ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen"; exit 2 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab"; exit 2 ;;
 esac
