@@ -103,8 +103,9 @@ def entry_path(key: str) -> Path:
     return env.settings().cache_dir / "binaries" / key[:2] / f"{key}.kgb"
 
 
-def compile_cached(source, arch: str) -> compiler.Binary:
-    """Binary for a render.Source (uses .text, .name, .entry) from memory, disk, or NVRTC."""
+def compile_cached(source, arch: str, compile=None) -> compiler.Binary:
+    """Binary for a render.Source (uses .text, .name, .entry) from memory, disk, or NVRTC
+    (`compile`, compile.compile_source's signature: by default that, in this process)."""
     key = cache_key(source.text, arch)
     binary = _memo.get(key)
     if binary is not None:
@@ -119,7 +120,8 @@ def compile_cached(source, arch: str) -> compiler.Binary:
             if not settings.always_compile and path.exists():
                 binary = _read_or_warn(path, key)
             if binary is None:
-                binary = compiler.compile_source(source.text, source.name, source.entry, arch)
+                binary = (compile or compiler.compile_source)(source.text, source.name,
+                                                              source.entry, arch)
                 write_entry(path, key, binary)
                 log.info("compiled %s in %.2fs -> %s", binary.name, binary.compile_seconds, path.name)
     _memo[key] = binary

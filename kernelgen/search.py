@@ -109,10 +109,12 @@ def prune(spec: KernelSpec, variant: Variant, limits: DeviceLimits,
     return kept, rejected
 
 
-def build(spec: KernelSpec, variant: Variant, limits: DeviceLimits, config: Config) -> Built:
-    """Render and compile one config (runs on the compile pool; NVRTC releases the GIL)."""
+def build(spec: KernelSpec, variant: Variant, limits: DeviceLimits, config: Config,
+          compile=None) -> Built:
+    """Render and compile one config (runs on the build threads; `compile`, tune()'s
+    compile_pool.compile_isolated, puts NVRTC in a child process)."""
     smem = int(spec.smem(spec.environment(variant, config)))
-    binary = cache.compile_cached(render(spec, variant, config), variant.arch)
+    binary = cache.compile_cached(render(spec, variant, config), variant.arch, compile=compile)
     built = Built(binary.registers, binary.spill_stores, binary.stack_bytes, smem + binary.static_smem)
     if built.smem > limits.max_smem:   # static shared memory is known only now
         raise DeviceLimit(f"{built.smem} B shared memory (with static) > {limits.max_smem}")

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kernelgen import cache, env, tunedb
+from kernelgen.compile_pool import compile_isolated
 from kernelgen.search import Trial, build, choose, prune, search
 from kernelgen.spec import Config, KernelSpec, SpecError, Variant, load_spec
 from kernelgen.tunedb import Identity
@@ -150,10 +151,13 @@ def tune(spec, problem: Problem, *, variant: Variant | None = None, arch: str | 
         candidates = [candidate_class(workload, spec, variant, c, rep_ms) for c in configs]
         kept = _finalists(len(candidates)) if finalists is None else finalists
         timings = len(candidates) + (min(kept + 1, len(candidates)) if kept < len(candidates) else 0)
+        # NVRTC runs in a child process per config: a compiler crash fails its config, not
+        # this process (compile_pool.py).
         with _progress(progress, timings, variant) as on_trial, \
                 ThreadPoolExecutor(max_workers=jobs or _default_jobs(len(candidates))) as pool:
-            trials = search(candidates, functools.partial(build, spec, variant, limits), pool,
-                            on_trial, kept, spec.default_config(variant))
+            trials = search(candidates, functools.partial(build, spec, variant, limits,
+                                                          compile=compile_isolated),
+                            pool, on_trial, kept, spec.default_config(variant))
         del workload, candidates
     trials += rejected
     result = TuneResult(spec.name, variant, problem, identity, tuple(trials), choose(trials),

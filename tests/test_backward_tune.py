@@ -192,7 +192,7 @@ def test_tune_end_to_end_with_a_fake_gpu(fake_gpu, spec, monkeypatch):
             ms = 0.5 if self.config == wrong else 1.0 if self.config == fastest else 2.0
             return Timing(ms, ms, 10)
 
-    def fake_compile(source, arch):
+    def fake_compile(source, arch, compile=None):
         return compiler.Binary(name=source.name, arch=arch, entry=source.entry, cubin=b"x",
                                registers=200, spill_stores=0, spill_loads=0, stack_bytes=0,
                                static_smem=0, compile_seconds=0.1, log="")

@@ -226,10 +226,10 @@ def test_build_rejects_spills_and_static_smem_beyond_the_device(spec, variant, m
 
     config = cfg(128, 64)
     dynamic = int(spec.smem(spec.environment(variant, config)))
-    monkeypatch.setattr(cache, "compile_cached", lambda s, a: fake_compile(s, a, spill=16))
+    monkeypatch.setattr(cache, "compile_cached", lambda s, a, **_: fake_compile(s, a, spill=16))
     built = search.build(spec, variant, DeviceLimits(dynamic, 1024), config)
     assert built.spills and built.smem == dynamic and built.registers == 200
-    monkeypatch.setattr(cache, "compile_cached", lambda s, a: fake_compile(s, a, static_smem=16))
+    monkeypatch.setattr(cache, "compile_cached", lambda s, a, **_: fake_compile(s, a, static_smem=16))
     with pytest.raises(search.DeviceLimit, match="with static"):
         search.build(spec, variant, DeviceLimits(dynamic, 1024), config)
 
@@ -319,7 +319,7 @@ def test_tune_end_to_end_with_a_fake_gpu(fake_gpu, spec, variant, monkeypatch, c
             ms = 0.5 if config == wrong else 1.0 if config == fastest else 2.0 + config["block_n"] / 100
             super().__init__(config, ms, correct=config != wrong)
 
-    def fake_compile(source, arch):
+    def fake_compile(source, arch, compile=None):
         return compiler.Binary(name=source.name, arch=arch, entry=source.entry, cubin=b"x",
                                registers=128, spill_stores=0, spill_loads=0, stack_bytes=0,
                                static_smem=0, compile_seconds=0.1, log="")
