@@ -121,7 +121,7 @@ def tune(spec, problem: Problem, *, variant: Variant | None = None, arch: str | 
     values of its mod arguments, `mod_values` by name (measure_mods.py). `configs` (Configs, or
     mappings of the tune space's keys) narrows the search to those, as a Triton autotune list
     does; each must satisfy the spec's constraints, and may be one its tune.skip leaves out.
-    With more candidates than `finalists` (default: all up to 64, else a tenth, at least 32),
+    With more candidates than `finalists` (default: all up to 128, else a tenth, at least 32),
     each is screened by a short timing and only that many fastest, and the default config, are
     timed in full (search.search), which is most of a candidate's time (PERF_NOTES §95).
     """
@@ -172,8 +172,9 @@ def tune(spec, problem: Problem, *, variant: Variant | None = None, arch: str | 
 
 def _finalists(count: int) -> int:
     """How many candidates a search times in full: every one of a small space (the mma.sync
-    forward's 40, the backward's), a tenth of a large one (the Hopper forward's 966 at hd64)."""
-    return count if count <= 64 else max(32, count // 10)
+    forward's and its mods' 80 at most, the backward's 46), a tenth of a large one (the Hopper
+    forward's 966 at hd64; its hd256 spaces, 80 configs, stay whole)."""
+    return count if count <= 128 else max(32, count // 10)
 
 
 def _given_configs(spec: KernelSpec, variant: Variant, configs) -> list[Config]:

@@ -152,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rep-ms", type=float, default=50.0, help="timing per round and config")
     parser.add_argument("--finalists", type=int, metavar="N",
                         help="time N configs in full, the fastest of a short screening of all "
-                             "(default: all up to 64, else a tenth, at least 32)")
+                             "(default: all up to 128, else a tenth, at least 32)")
     parser.add_argument("--top", type=int, default=0, metavar="N", help="show the N fastest only")
     parser.add_argument("--no-save", action="store_true", help="do not record in the tuning DB")
     parser.add_argument("--onto", choices=["flash_attn_fwd_sm90", "flash_attn_bwd"],

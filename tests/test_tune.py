@@ -611,7 +611,7 @@ def test_tune_finalists_must_be_a_count(spec, variant, finalists):
 
 def test_finalists_by_default():
     # Small spaces are timed in full, as before screening existed; large ones keep a tenth.
-    assert [tune._finalists(n) for n in (23, 40, 64, 65, 966, 7612)] == [23, 40, 64, 32, 96, 761]
+    assert [tune._finalists(n) for n in (23, 80, 128, 129, 966, 7612)] == [23, 80, 128, 32, 96, 761]
 
 
 def test_tune_configs_must_be_a_list(spec, variant):
