@@ -112,7 +112,7 @@ def prune(spec: KernelSpec, variant: Variant, limits: DeviceLimits,
 def build(spec: KernelSpec, variant: Variant, limits: DeviceLimits, config: Config,
           compile=None) -> Built:
     """Render and compile one config (runs on the build threads; `compile`, tune()'s
-    compile_pool.compile_isolated, puts NVRTC in a child process)."""
+    compile_child.compile_isolated, puts NVRTC in a child process)."""
     smem = int(spec.smem(spec.environment(variant, config)))
     binary = cache.compile_cached(render(spec, variant, config), variant.arch, compile=compile)
     built = Built(binary.registers, binary.spill_stores, binary.stack_bytes, smem + binary.static_smem)
@@ -145,8 +145,7 @@ def search(candidates: Sequence[Candidate], build: Callable[[Config], Built], po
             future.cancel()
     if screening:
         ranked = sorted((t for t in trials if t.status == "screened"), key=lambda t: t.timing.median_ms)
-        final = {t.config for t in ranked[:finalists]}
-        final |= {t.config for t in ranked if t.config == default}
+        final = {t.config for t in ranked[:finalists]} | ({default} & {t.config for t in ranked})
         for i, candidate in enumerate(candidates):
             if trials[i].config in final:
                 trials[i] = _time(candidate, trials[i])

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kernelgen import cache, env, tunedb
-from kernelgen.compile_pool import compile_isolated
+from kernelgen.compile_child import compile_isolated
 from kernelgen.search import Trial, build, choose, prune, search
 from kernelgen.spec import Config, KernelSpec, SpecError, Variant, load_spec
 from kernelgen.tunedb import Identity
@@ -152,7 +152,7 @@ def tune(spec, problem: Problem, *, variant: Variant | None = None, arch: str | 
         kept = _finalists(len(candidates)) if finalists is None else finalists
         timings = len(candidates) + (min(kept + 1, len(candidates)) if kept < len(candidates) else 0)
         # NVRTC runs in a child process per config: a compiler crash fails its config, not
-        # this process (compile_pool.py).
+        # this process (compile_child.py).
         with _progress(progress, timings, variant) as on_trial, \
                 ThreadPoolExecutor(max_workers=jobs or _default_jobs(len(candidates))) as pool:
             trials = search(candidates, functools.partial(build, spec, variant, limits,

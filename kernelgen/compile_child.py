@@ -43,7 +43,7 @@ def compile_isolated(text: str, name: str, entry: str, arch: str, *,
             p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
         try:
             child = subprocess.run(
-                [sys.executable, "-c", "from kernelgen.compile_pool import _child; _child()"],
+                [sys.executable, "-c", "from kernelgen.compile_child import _child; _child()"],
                 input=pickle.dumps(request), capture_output=True, env=env, timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
             raise compiler.CompileError(f"the compiler ran past {TIMEOUT_S:.0f} s on {name} "

@@ -1,4 +1,4 @@
-"""compile_pool.compile_isolated: NVRTC in a child process, so that a compiler that dies with a
+"""compile_child.compile_isolated: NVRTC in a child process, so that a compiler that dies with a
 signal (or hangs) fails its kernel, not the tuner's process. Real NVRTC for the ordinary paths;
 stand-in targets (run in the child) for the crash and the hang."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from kernelgen import compile as compiler
-from kernelgen import compile_pool
-from kernelgen.compile_pool import compile_isolated
+from kernelgen import compile_child
+from kernelgen.compile_child import compile_isolated
 
 SOURCE = 'extern "C" __global__ void add_one(float* x) { x[threadIdx.x] += 1.0f; }'
 HERE = str(Path(__file__).resolve().parent)
@@ -51,19 +51,19 @@ def test_a_compile_error_comes_back_with_its_log(cache_dir):
 
 
 def test_a_crash_fails_its_kernel_not_this_process(tests_importable):
-    made = compile_isolated("", "ok_before", "k", "sm_80", target="test_compile_pool:crashy")
+    made = compile_isolated("", "ok_before", "k", "sm_80", target="test_compile_child:crashy")
     assert made.name == "ok_before" and made.registers != os.getpid()   # made in a child
     with pytest.raises(compiler.CompileError, match="crashed on crash_b for sm_80 .*SIGSEGV"):
-        compile_isolated("", "crash_b", "k", "sm_80", target="test_compile_pool:crashy")
+        compile_isolated("", "crash_b", "k", "sm_80", target="test_compile_child:crashy")
     assert compile_isolated("", "ok_after", "k", "sm_80",
-                            target="test_compile_pool:crashy").name == "ok_after"
+                            target="test_compile_child:crashy").name == "ok_after"
 
 
 def test_a_hang_is_stopped(tests_importable, monkeypatch):
-    monkeypatch.setattr(compile_pool, "TIMEOUT_S", 3.0)
+    monkeypatch.setattr(compile_child, "TIMEOUT_S", 3.0)
     start = time.monotonic()
     with pytest.raises(compiler.CompileError, match="ran past 3 s on hang_c"):
-        compile_isolated("", "hang_c", "k", "sm_80", target="test_compile_pool:crashy")
+        compile_isolated("", "hang_c", "k", "sm_80", target="test_compile_child:crashy")
     assert time.monotonic() - start < 30
 
 
