@@ -32,6 +32,7 @@
 #   TREES="old:.ab/old new:." bash tools/wip/next.sh s35ab # ~3.5 min a round: backward kernel times by tree
 #   bash tools/wip/next.sh screen  # <= 9.5 min: the tuner's screening against the whole search (§95)
 #   bash tools/wip/next.sh persab  # ~6 min: the persistent backward patch, persistent 1 against 0 (§96)
+#   bash tools/wip/next.sh short   # <= 9.5 min: the forward's cells below 1.0 x cuDNN retuned (§98)
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
@@ -166,6 +167,11 @@ case $1 in
              --no-save --top 3 $f 2>&1 | grep -v '^\[' | tee -a "$OUT/screen.txt" | tail -6
            echo "$f: wall $(( $(date +%s) - t0 )) s" | tee -a "$OUT/screen.txt"
          done ;;
+  short) # <= 9.5 min (PERF_NOTES §98): retune the grid's cells below 1.0 x cuDNN (512-1k) with the
+         # current search (hd256's 512 entries predate six keys); every config's time in grid.log
+         STEPS=grid T_grid=150 PRESET=fwd-sm90-grid TOP=100 FINALISTS=96 GRID_TAIL=4 \
+           GRID_ARGS="--head-dims 256 --causal false --seqlens 512;--head-dims 256 --causal true --seqlens 512;--head-dims 128 --causal true --seqlens 512;--head-dims 256 --causal true --seqlens 1024;--head-dims 64 --causal false --seqlens 1024;--head-dims 64 --causal false --seqlens 512" \
+           bash tools/h200_run.sh 2>&1 | tail -30 ;;
   persab) # ~6 min (PERF_NOTES §96): the persistent backward (carry .ab/pers: HEAD with
          # tools/wip/persistent_bwd.patch applied) against its own persistent 0, main-kernel times;
          # the mask cases spill with persistent 1 (measured anyway: the potential), ROUNDS (1)
@@ -182,5 +188,5 @@ case $1 in
          STEPS=ncusrc T_ncusrc=120 NCU_TOP=40 NCU_CASES="flash_attn_bwd_sm90@--backward --seqlen 4096 --mod packed;flash_attn_bwd_sm90@--backward --seqlen 4096 --mod varlen" \
            bash tools/h200_run.sh 2>&1 | tee "$OUT/s33stalls.txt" | grep -E "^---|instructions|by opcode|^ *[0-9.]+% +[0-9.]+% " | cut -c1-150 | head -60
          rm -f "$OUT"/*.ncu-rep ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab"; exit 2 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short"; exit 2 ;;
 esac
