@@ -203,7 +203,11 @@ def _mod_arguments(mods: ModArgs | None, kernels: _Kernels, q, k) -> tuple[tuple
             dict(zip((a.name for a in mods.spec.mods.args), mods.values)), q.device)
     mask.check(mods.spec, params.get("causal", False), batch, heads, seqlen_q, k.shape[1], q.device)
     tile = lambda kernel: (kernel.config["block_m"], kernel.config["block_n"])  # noqa: E731
-    main = mods.values + mask.kernel_args(*tile(kernels.main), transposed=True)
+    # The Hopper kernel's full-attention grid takes its KV tiles in the mask's order (shortest
+    # last); the sm80 kernel and causal grids in their own.
+    order = (batch, heads, k.shape[2]) if (backward_sm90.is_sm90(kernels.main)
+                                           and not params.get("causal", False)) else None
+    main = mods.values + mask.kernel_args(*tile(kernels.main), transposed=True, order=order)
     dq = None if kernels.dq is None else mods.values + mask.kernel_args(*tile(kernels.dq))
     return main, dq
 

@@ -187,6 +187,8 @@ class BlockMask:
     classify: Callable[[int, int], torch.Tensor] | None = field(default=None, compare=False,
                                                                 repr=False)
     built: dict = field(default_factory=dict, compare=False, repr=False)
+    # (block_m, block_n, batch, heads, heads_k) -> tile_order's launch order
+    orders: dict = field(default_factory=dict, compare=False, repr=False)
 
     def lists(self, block_m: int, block_n: int, grouped: bool = False) -> BlockLists:
         """grouped (block_m 128 only): the forward lists with each row's partial blocks grouped
@@ -214,10 +216,11 @@ class BlockMask:
         return found
 
     def kernel_args(self, block_m: int, block_n: int, transposed: bool = False,
-                    grouped: bool = False) -> tuple:
+                    grouped: bool = False, order: tuple[int, int, int] | None = None) -> tuple:
         """The values of spec.BLOCK_SPARSE_ARGS for a kernel with this tile (tensors for the
-        pointers); transposed: the backward main kernel's lists (per KV block); grouped: a
-        Hopper forward's with wg_skip 1 (lists())."""
+        pointers, 0 for a null one); transposed: the backward main kernel's lists (per KV block);
+        grouped: a Hopper forward's with wg_skip 1 (lists()); order (batch, heads, heads_k): the
+        Hopper backward's launch order of KV tiles (tile_order), else none."""
         lists = self.lists(block_m, block_n, grouped)
         if transposed:
             tensors = (lists.q_num, lists.q_idx, lists.full_q_num, lists.full_q_idx)
@@ -226,7 +229,33 @@ class BlockMask:
         _, heads, rows, width = tensors[1].shape
         stride_h = rows if heads > 1 else 0
         stride_b = heads * rows if tensors[1].shape[0] > 1 else 0
-        return (*tensors, stride_b, stride_h, width)
+        tiles = 0 if order is None else self.tile_order(block_m, block_n, *order)
+        return (*tensors, stride_b, stride_h, width, tiles)
+
+    def tile_order(self, block_m: int, block_n: int, batch: int, heads: int,
+                   heads_k: int) -> torch.Tensor:
+        """int32 (batch * heads_k * kv_blocks): the full-attention Hopper backward's KV tiles
+        (index (b * heads_k + h) * kv_blocks + n: its grid's own order) in the order its CTAs
+        take them: the shortest eighth by listed pairs (over the kv head's query heads) last,
+        the rest in the grid's order. The hardware starts each CTA when an SM frees up, so
+        long tiles left to the last wave stretch it; a full sort longest-first would also
+        spread a head's tiles over the whole run and lose their reuse of Q, dO and dQ in L2
+        (PERF_NOTES §99). Built once per problem and tile."""
+        key = (block_m, block_n, batch, heads, heads_k)
+        found = self.orders.get(key)
+        if found is None:
+            lists = self.lists(block_m, block_n)
+            counts = (lists.q_num + lists.full_q_num).expand(batch, heads, -1)
+            counts = counts.reshape(batch, heads_k, heads // heads_k, -1).sum(2).flatten()
+            k = counts.numel() // 8
+            if k:
+                short = counts <= counts.sort().values[k - 1]
+                found = torch.cat((torch.nonzero(~short), torch.nonzero(short))).flatten()
+            else:
+                found = torch.arange(counts.numel(), device=counts.device)
+            found = found.to(torch.int32).contiguous()
+            self.orders[key] = found
+        return found
 
     def forward_args(self, config: dict) -> tuple:
         """kernel_args for a forward kernel's config (a dict): its tile's lists, grouped for the

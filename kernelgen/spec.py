@@ -178,6 +178,8 @@ BLOCK_SPARSE_ARGS = (
     Arg("bm_full_num", "ptr", "const int*"), Arg("bm_full_idx", "ptr", "const int*"),
     Arg("bm_stride_b", "i32", "int"), Arg("bm_stride_h", "i32", "int"),
     Arg("bm_width", "i32", "int"),
+    # The Hopper backward's launch order of KV tiles (BlockMask.tile_order); null elsewhere.
+    Arg("bm_order", "ptr", "const int*"),
 )
 
 

@@ -23,7 +23,7 @@ def write(tmp_path, body: str):
 def test_block_sparse_adds_the_list_arguments_after_the_mod_args():
     spec = load_spec(SPEC)
     names = [a.name for a in spec.args]
-    assert names[-9:] == ["doc_q", "doc_k", *(a.name for a in BLOCK_SPARSE_ARGS)]
+    assert names[-10:] == ["doc_q", "doc_k", *(a.name for a in BLOCK_SPARSE_ARGS)]
     assert spec.mods.block_sparse and [a.name for a in spec.mods.args] == ["doc_q", "doc_k"]
     assert "batch" in spec.mods.mask_mod.names and "head" not in spec.mods.mask_mod.names
     # The classify kernel reads the mask, not the lists; the backward's kernels take them.
@@ -114,12 +114,12 @@ def test_tail_tiles_count_only_pairs_inside_the_sequences():
 def test_kernel_args_strides_by_batch_and_head():
     spec = load_spec(SPEC)
     per_batch = blockmask.from_dense(spec, torch.rand(3, 1, 40, 50) > 0.5, False, batch=3)
-    *tensors, stride_b, stride_h, width = per_batch.kernel_args(16, 32)
-    assert tensors[1].shape == (3, 1, 3, 2) and (stride_b, stride_h, width) == (3, 0, 2)
-    *_, stride_b, stride_h, width = per_batch.kernel_args(16, 32, transposed=True)
-    assert (stride_b, stride_h, width) == (2, 0, 3)
+    *tensors, stride_b, stride_h, width, order = per_batch.kernel_args(16, 32)
+    assert tensors[1].shape == (3, 1, 3, 2) and (stride_b, stride_h, width, order) == (3, 0, 2, 0)
+    *_, stride_b, stride_h, width, order = per_batch.kernel_args(16, 32, transposed=True)
+    assert (stride_b, stride_h, width, order) == (2, 0, 3, 0)
     shared = blockmask.from_dense(spec, torch.rand(1, 1, 40, 50) > 0.5, False)
-    assert shared.kernel_args(16, 32)[4:] == (0, 0, 2)
+    assert shared.kernel_args(16, 32)[4:] == (0, 0, 2, 0)   # no launch order: null
     # One set of lists per tile size, built once.
     assert per_batch.lists(16, 32) is per_batch.lists(16, 32)
     assert per_batch.lists(32, 32) is not per_batch.lists(16, 32)
@@ -132,6 +132,31 @@ def test_kernel_args_strides_by_batch_and_head():
         assert all(a is b for a, b in zip(got[:4], want[:4])) and got[4:] == want[4:]
     assert tall.forward_args(config)[1] is tall.kernel_args(128, 64)[1]   # (sm80: no wg_skip)
     assert tall.forward_args({**config, "wg_skip": 1})[1].shape[-1] == 4 + 2
+
+
+def test_tile_order_puts_the_shortest_eighth_last_and_keeps_the_grid_order_otherwise():
+    # Documents of 30, 70, 170 and 50 tokens (batch 0) and 200, 120 (batch 1); heads broadcast,
+    # GQA 4:2, so a kv head's count is twice its column's listed query blocks.
+    spec = load_spec(SPEC)
+    ids = torch.tensor([[0] * 30 + [1] * 70 + [2] * 170 + [3] * 50,
+                        [0] * 200 + [1] * 120])
+    mask = blockmask.from_dense(spec, (ids[:, :, None] == ids[:, None, :])[:, None], False,
+                                batch=2)
+    order = mask.tile_order(16, 32, batch=2, heads=4, heads_k=2)
+    assert order.dtype == torch.int32 and order.is_contiguous()
+    state = mask.classify(16, 32)                                   # (2, 1, 20, 10)
+    column = (state != blockmask.EMPTY).sum(2)                      # (2, 1, 10)
+    counts = (2 * column).expand(2, 2, 10).flatten().tolist()       # (batch, kv head, block)
+    assert sorted(order.tolist()) == list(range(40))
+    threshold = sorted(counts)[40 // 8 - 1]
+    short = [t for t in range(40) if counts[t] <= threshold]
+    assert 5 <= len(short) < 40
+    assert order.tolist() == [t for t in range(40) if t not in short] + short
+    assert mask.tile_order(16, 32, batch=2, heads=4, heads_k=2) is order   # built once
+    assert mask.kernel_args(16, 32, transposed=True, order=(2, 4, 2))[-1] is order
+    # Fewer than eight tiles: the grid's own order.
+    small = blockmask.from_dense(spec, torch.ones(1, 1, 40, 50, dtype=torch.bool), False)
+    assert small.tile_order(16, 32, 1, 2, 2).tolist() == [0, 1, 2, 3]
 
 
 def test_a_mask_of_another_problem_is_refused_naming_the_argument():
@@ -150,7 +175,7 @@ def test_a_mask_of_another_problem_is_refused_naming_the_argument():
         assert "block_mask" in str(info.value)
     fixed = blockmask.BlockMask(SPEC, False, 2, None, 40, 50, cpu,
                                 built={(16, 32): mask.lists(16, 32)})
-    assert fixed.kernel_args(16, 32)[4:] == (3, 0, 2)
+    assert fixed.kernel_args(16, 32)[4:] == (3, 0, 2, 0)
     with pytest.raises(ValueError, match=r"block_mask has lists for block sizes \[\(16, 32\)\]"):
         fixed.kernel_args(64, 64)
 

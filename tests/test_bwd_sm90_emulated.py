@@ -231,6 +231,28 @@ def test_document_block_mask(causal, head_dim):
           block_mask=mask, mask_mod=lambda *_: visible)
 
 
+@pytest.mark.parametrize("order", ["mask", "shuffled"])
+def test_document_tiles_in_launch_order(order, monkeypatch):
+    """Full attention: CTA i takes KV tile bm_order[i] (BlockMask.tile_order: the shortest eighth
+    last), decoding its block, kv head and batch from it; 'shuffled': any permutation. A tile
+    decoded wrong leaves another's dK / dV unwritten (NaN-poisoned) or adds its dQ twice."""
+    batch, heads, heads_k, seqlen_q, seqlen_k = 2, 4, 2, 130, 520
+    q, k, v, dout = qkv_dout(batch, seqlen_q, seqlen_k, heads, heads_k, 64, torch.bfloat16)
+    ids = document_ids(document_lengths(batch, seqlen_k, 5, seed=11))
+    doc_q, doc_k = ids[:, -seqlen_q:].contiguous(), ids[:, -seqlen_k:].contiguous()
+    visible = (doc_q[:, :, None] == doc_k[:, None, :])[:, None]
+    mask = blockmask.from_dense(load_spec("flash_attn_document"), visible, False, batch=batch)
+    tiles = batch * heads_k * 5   # 520 keys: five KV tiles of 128
+    natural = list(range(tiles))
+    if order == "shuffled":
+        shuffled = torch.randperm(tiles, generator=torch.Generator().manual_seed(3)).to(torch.int32)
+        monkeypatch.setattr(blockmask.BlockMask, "tile_order", lambda self, *_: shuffled)
+    launched = mask.tile_order(64, 128, batch, heads, heads_k).tolist()
+    assert sorted(launched) == natural and launched != natural
+    check(q, k, v, dout, False, mods="flash_attn_document", mod_values=(doc_q, doc_k),
+          block_mask=mask, mask_mod=lambda *_: visible)
+
+
 @pytest.mark.parametrize("causal, stages, lazy", [(False, 3, True), (True, 2, False)])
 def test_packed_varlen_ranges(causal, stages, lazy):
     """flash_attn_packed's per-token key ranges (the stats warp hands each slot's pair to the

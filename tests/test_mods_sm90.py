@@ -222,13 +222,14 @@ def test_forward_sm90_launches_the_hopper_kernel_with_the_mod_args_last(no_gpu):
     names = [a.name for a in kernel.spec.args]
     named = dict(zip(names, values))
     assert named["doc_q"] == doc_q.data_ptr() and named["doc_k"] == doc_k.data_ptr()
-    assert names[-9:-7] == ["doc_q", "doc_k"]
-    assert names[-14:-9] == ["tmap_q", "tmap_k", "tmap_v", "tmap_o", "tile_counter"]
+    assert names[-10:-8] == ["doc_q", "doc_k"]
+    assert names[-15:-10] == ["tmap_q", "tmap_k", "tmap_v", "tmap_o", "tile_counter"]
     assert named["tile_counter"] == 0   # persistent 1: no counter
     lists = mask.lists(128, 64)
     assert named["bm_num"] == lists.kv_num.data_ptr()
     assert named["bm_full_idx"] == lists.full_kv_idx.data_ptr()
     assert (named["bm_stride_b"], named["bm_stride_h"], named["bm_width"]) == (3, 0, 4)
+    assert named["bm_order"] == 0   # the backward's launch order only
     assert named["tmap_k"] == k.data_ptr().to_bytes(8, "little") * 16
     assert (named["seqlen_q"], named["seqlen_k"], named["heads_k"], named["softmax_scale"]) == (
         300, 200, 2, 0.125)

@@ -105,6 +105,9 @@ def run(spec, variant, config, args: dict, *, seed: int = 0, defer: bool = True,
     """Launch once; tensors in `args` (CPU) receive what the kernel wrote. A `tmap` argument is
     a (kernelgen.tma.TiledMap, tensor) pair."""
     exe = build(spec, variant, config, transform)
+    # A null pointer may come as 0 (what the GPU launch takes, e.g. a block mask's bm_order).
+    args = {**args, **{a.name: None for a in spec.args
+                       if a.type == "ptr" and isinstance(args[a.name], int) and args[a.name] == 0}}
     storages, offsets, arena = {}, {}, bytearray()
     for arg in spec.args:
         value = args[arg.name]

@@ -33,6 +33,7 @@
 #   bash tools/wip/next.sh screen  # <= 9.5 min: the tuner's screening against the whole search (§95)
 #   bash tools/wip/next.sh persab  # ~6 min: the persistent backward patch, persistent 1 against 0 (§96)
 #   bash tools/wip/next.sh short   # <= 9.5 min: the forward's cells below 1.0 x cuDNN retuned (§98)
+#   bash tools/wip/next.sh order   # ~2.5 min: the document backward's launch order, old against new (§100)
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
@@ -172,6 +173,12 @@ case $1 in
          STEPS=grid T_grid=150 PRESET=fwd-sm90-grid TOP=100 FINALISTS=96 GRID_TAIL=4 \
            GRID_ARGS="--head-dims 256 --causal false --seqlens 512;--head-dims 256 --causal true --seqlens 512;--head-dims 128 --causal true --seqlens 512;--head-dims 256 --causal true --seqlens 1024;--head-dims 64 --causal false --seqlens 1024;--head-dims 64 --causal false --seqlens 512" \
            bash tools/h200_run.sh 2>&1 | tail -30 ;;
+  order) # ~2.5 min (PERF_NOTES §100): the document backward's KV tiles in the mask's launch order
+         # (shortest eighth last), old (.ab/old: git archive of the tree before) against new
+         [ -d .ab/old/kernelgen ] || { echo "carry .ab/old"; exit 2; }
+         for args in "--mods document" "--seqlen 1024 --mods document" "--head-dim 64 --mods document"; do
+           echo "=== $args"; kt .ab/old old $args; kt . new $args
+         done 2>&1 | tee "$OUT/order.txt" | grep -E "===|bwd_sm90" ;;
   persab) # ~6 min (PERF_NOTES §96): the persistent backward (carry .ab/pers: HEAD with
          # tools/wip/persistent_bwd.patch applied) against its own persistent 0, main-kernel times;
          # the mask cases spill with persistent 1 (measured anyway: the potential), ROUNDS (1)
@@ -188,5 +195,5 @@ case $1 in
          STEPS=ncusrc T_ncusrc=120 NCU_TOP=40 NCU_CASES="flash_attn_bwd_sm90@--backward --seqlen 4096 --mod packed;flash_attn_bwd_sm90@--backward --seqlen 4096 --mod varlen" \
            bash tools/h200_run.sh 2>&1 | tee "$OUT/s33stalls.txt" | grep -E "^---|instructions|by opcode|^ *[0-9.]+% +[0-9.]+% " | cut -c1-150 | head -60
          rm -f "$OUT"/*.ncu-rep ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short"; exit 2 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order"; exit 2 ;;
 esac

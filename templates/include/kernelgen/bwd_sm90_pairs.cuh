@@ -36,6 +36,11 @@ __device__ __forceinline__ bool bwd_pair_seen(const BwdArgs<typename C::Elem>& a
 template <class Mods>
 constexpr bool kBwdSkipPairs = Mods::kKvRange && !Mods::kBlockSparse;
 
+// Whether the grid's CTAs take their KV tiles from a block mask's launch order (bm_order): full
+// attention only; a causal grid already runs each batch's longest tiles first.
+template <class C, class Mods>
+constexpr bool kBwdTileOrder = Mods::kBlockSparse && !C::kCausal;
+
 // Whether finding a pair costs more than arithmetic (a kv range's warp-wide search, which loads
 // per-token bounds where they are tensors; a block mask's lists, read from global memory). Then
 // only the loads' warp walks, and writes each slot's pair into shared memory (BwdSlotPair) for
@@ -105,9 +110,21 @@ __device__ __forceinline__ BwdWork bwd_work(const BwdArgs<typename C::Elem>& a, 
     // slowest over all batches, a pair's tiles ran a whole round of pairs apart: at 512 keys the
     // kernel was slower causal than full.) blockIdx values, not computed ones: ptxas
     // rematerializes them, where three more live registers spill the tightest mods variants.
-    const int n_block = C::kCausal ? blockIdx.y : blockIdx.x;
-    const int kv_head = C::kCausal ? blockIdx.x : blockIdx.y;
-    const int batch = blockIdx.z;
+    int n_block = C::kCausal ? blockIdx.y : blockIdx.x;
+    int kv_head = C::kCausal ? blockIdx.x : blockIdx.y;
+    int batch = blockIdx.z;
+    if constexpr (kBwdTileOrder<C, Mods>) {
+        // A block mask's launch order (blockmask.BlockMask.tile_order): the grid's CTA i takes
+        // tile bm_order[i], its shortest tiles last, so the last wave is not left to the long
+        // ones (PERF_NOTES §99). Null: the grid's own order.
+        if (mods.bm_order != nullptr) {
+            const int n_blocks = gridDim.x;
+            const int tile = mods.bm_order[blockIdx.x + n_blocks * (blockIdx.y + gridDim.y * blockIdx.z)];
+            n_block = tile % n_blocks;
+            kv_head = tile / n_blocks % a.heads_k;
+            batch = tile / (n_blocks * a.heads_k);
+        }
+    }
     const int kv0 = n_block * C::kBlockN, group = a.heads / a.heads_k;
     const int m_tiles = cdiv(a.seqlen_q, C::kBlockM);
     int m_first = 0;
