@@ -247,12 +247,11 @@ class BlockMask:
             lists = self.lists(block_m, block_n)
             counts = (lists.q_num + lists.full_q_num).expand(batch, heads, -1)
             counts = counts.reshape(batch, heads_k, heads // heads_k, -1).sum(2).flatten()
-            k = counts.numel() // 8
-            if k:
+            n, k = counts.numel(), counts.numel() // 8
+            found = torch.arange(n, device=counts.device)
+            if k:   # a stable partition by sorting short * n + index (no host sync: capturable)
                 short = counts <= counts.sort().values[k - 1]
-                found = torch.cat((torch.nonzero(~short), torch.nonzero(short))).flatten()
-            else:
-                found = torch.arange(counts.numel(), device=counts.device)
+                found = torch.argsort(short.to(torch.int64) * n + found)
             found = found.to(torch.int32).contiguous()
             self.orders[key] = found
         return found
