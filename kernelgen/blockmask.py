@@ -229,24 +229,30 @@ class BlockMask:
         _, heads, rows, width = tensors[1].shape
         stride_h = rows if heads > 1 else 0
         stride_b = heads * rows if tensors[1].shape[0] > 1 else 0
-        tiles = 0 if order is None else self.tile_order(block_m, block_n, *order)
+        tiles = 0 if order is None else self.tile_order(block_m, block_n, *order,
+                                                         transposed=transposed, grouped=grouped)
         return (*tensors, stride_b, stride_h, width, tiles)
 
-    def tile_order(self, block_m: int, block_n: int, batch: int, heads: int,
-                   heads_k: int) -> torch.Tensor:
-        """int32 (batch * heads_k * kv_blocks): the full-attention Hopper backward's KV tiles
-        (index (b * heads_k + h) * kv_blocks + n: its grid's own order) in the order its CTAs
-        take them: the shortest eighth by listed pairs (over the kv head's query heads) last,
-        the rest in the grid's order. The hardware starts each CTA when an SM frees up, so
-        long tiles left to the last wave stretch it; a full sort longest-first would also
-        spread a head's tiles over the whole run and lose their reuse of Q, dO and dQ in L2
-        (PERF_NOTES §99). Built once per problem and tile."""
-        key = (block_m, block_n, batch, heads, heads_k)
+    def tile_order(self, block_m: int, block_n: int, batch: int, heads: int, heads_k: int,
+                   transposed: bool = True, grouped: bool = False) -> torch.Tensor:
+        """int32: the tiles of a full-attention grid of a CTA per tile, in the order its CTAs
+        take them: the shortest eighth by listed blocks last, the rest in the grid's order.
+        transposed: the Hopper backward's KV tiles (index (b * heads_k + h) * kv_blocks + n,
+        their pairs summed over the kv head's query heads); else the Hopper forward's query
+        tiles (index (b * heads + h) * q_blocks + m; heads_k is not used). The hardware starts
+        each CTA when an SM frees up, so long tiles left to the last wave stretch it; a full
+        sort longest-first would also spread a head's tiles over the whole run and lose their
+        reuse of Q, dO and dQ (or K and V) in L2 (PERF_NOTES §99). Built once per problem and
+        tile."""
+        key = (block_m, block_n, batch, heads, heads_k, transposed, grouped)
         found = self.orders.get(key)
         if found is None:
-            lists = self.lists(block_m, block_n)
-            counts = (lists.q_num + lists.full_q_num).expand(batch, heads, -1)
-            counts = counts.reshape(batch, heads_k, heads // heads_k, -1).sum(2).flatten()
+            lists = self.lists(block_m, block_n, grouped)
+            if transposed:
+                counts = (lists.q_num + lists.full_q_num).expand(batch, heads, -1)
+                counts = counts.reshape(batch, heads_k, heads // heads_k, -1).sum(2).flatten()
+            else:
+                counts = (lists.kv_num + lists.full_kv_num).expand(batch, heads, -1).flatten()
             n, k = counts.numel(), counts.numel() // 8
             found = torch.arange(n, device=counts.device)
             if k:   # a stable partition by sorting short * n + index (no host sync: capturable)
@@ -256,12 +262,17 @@ class BlockMask:
             self.orders[key] = found
         return found
 
-    def forward_args(self, config: dict) -> tuple:
+    def forward_args(self, config: dict, batch: int | None = None,
+                     heads: int | None = None) -> tuple:
         """kernel_args for a forward kernel's config (a dict): its tile's lists, grouped for the
         warpgroups where it has wg_skip (a kernel without the key must not get those: it would
-        run their trailing group unmasked)."""
+        run their trailing group unmasked); with the problem's batch and heads, a Hopper
+        forward's launch order where its grid is a CTA per tile (persistent 0) and not causal
+        (tile_order; the persistent schedules order their own tiles)."""
+        ordered = (batch is not None and config.get("persistent", -1) == 0 and not self.causal)
         return self.kernel_args(config["block_m"], config["block_n"],
-                                grouped=bool(config.get("wg_skip", 0)))
+                                grouped=bool(config.get("wg_skip", 0)),
+                                order=(batch, heads, heads) if ordered else None)
 
     def check(self, spec: KernelSpec, causal: bool, batch: int, heads: int, seqlen_q: int,
               seqlen_k: int, device) -> None:

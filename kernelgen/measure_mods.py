@@ -130,7 +130,8 @@ class ForwardWorkload(measure.Workload):
 
     def launcher(self, kernel: api.BoundKernel):
         if self.block_mask is not None:   # the lists at this config's tile
-            lists = self.block_mask.forward_args(kernel.config.as_dict())
+            lists = self.block_mask.forward_args(kernel.config.as_dict(), self.q.shape[0],
+                                                 self.q.shape[2])
             self.values.update(zip((a.name for a in self.block_args), _pointers(lists)))
         return super().launcher(kernel)
 

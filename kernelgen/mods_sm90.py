@@ -97,7 +97,7 @@ def forward_sm90(spec: str | KernelSpec, q, k, v, params: Mapping, softmax_scale
                 dict(zip((a.name for a in mod_args), mod_values)), q.device)
         block_mask.check(onto, params.get("causal", False), batch, heads, seqlen_q, k.shape[1],
                          q.device)
-        lists = block_mask.forward_args(plan.kernel.config.as_dict())
+        lists = block_mask.forward_args(plan.kernel.config.as_dict(), batch, heads)
         values += tuple(_value(onto, arg, x, q.device) for arg, x in zip(onto.mods.block_args, lists))
     elif block_mask is not None:
         raise TypeError(f"{onto.name} takes no block_mask: its spec has no mods.block_sparse")

@@ -154,6 +154,17 @@ def test_tile_order_puts_the_shortest_eighth_last_and_keeps_the_grid_order_other
     assert order.tolist() == [t for t in range(40) if t not in short] + short
     assert mask.tile_order(16, 32, batch=2, heads=4, heads_k=2) is order   # built once
     assert mask.kernel_args(16, 32, transposed=True, order=(2, 4, 2))[-1] is order
+    # The Hopper forward's query tiles (index (b * heads + h) * q_blocks + m): listed KV blocks.
+    forward = mask.tile_order(16, 32, 2, 3, 3, transposed=False).tolist()
+    row = (state != blockmask.EMPTY).sum(3)                         # (2, 1, 20)
+    counts = row.expand(2, 3, 20).flatten().tolist()
+    threshold = sorted(counts)[120 // 8 - 1]
+    short = [t for t in range(120) if counts[t] <= threshold]
+    assert forward == [t for t in range(120) if t not in short] + short and 15 <= len(short) < 120
+    config = {"block_m": 16, "block_n": 32, "persistent": 0}
+    assert mask.forward_args(config, 2, 3)[-1].tolist() == forward
+    assert mask.forward_args(config)[-1] == 0                       # no problem given
+    assert mask.forward_args({**config, "persistent": 2}, 2, 3)[-1] == 0
     # Fewer than eight tiles: the grid's own order.
     small = blockmask.from_dense(spec, torch.ones(1, 1, 40, 50, dtype=torch.bool), False)
     assert small.tile_order(16, 32, 1, 2, 2).tolist() == [0, 1, 2, 3]

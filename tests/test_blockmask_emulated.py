@@ -152,6 +152,29 @@ def test_sm90_forward_with_block_mask(causal, cfg):
     assert torch.all(lse[1, :, 200:] == float("-inf"))
 
 
+@pytest.mark.parametrize("order", ["mask", "shuffled"])
+def test_sm90_forward_takes_tiles_in_launch_order(order, monkeypatch):
+    """A CTA per tile, full attention: CTA i computes query tile bm_order[i] (BlockMask.tile_order:
+    the shortest eighth last; 'shuffled': any permutation) and stores it where it belongs."""
+    batch, seqlen_q, seqlen_k, heads = 2, 400, 310, 3
+    cfg = {"block_m": 128, "block_n": 64, "stages": 2, "schedule": 1, "persistent": 0}
+    q, k, v = qkv(batch, seqlen_q, seqlen_k, heads, heads, 64, seed=6)
+    doc_q, doc_k = packed(batch, seqlen_q, seqlen_k, 4, seed=12)
+    mask = dense_mask(doc_q, doc_k, False)
+    tiles = batch * heads * 4   # 400 rows: four query tiles of 128
+    if order == "shuffled":
+        shuffled = torch.randperm(tiles, generator=torch.Generator().manual_seed(4)).to(torch.int32)
+        monkeypatch.setattr(blockmask.BlockMask, "tile_order", lambda self, *_, **__: shuffled)
+    spec = load_spec(SPEC, onto="flash_attn_fwd_sm90")
+    args = dict(zip((a.name for a in spec.mods.block_args), mask.forward_args(cfg, batch, heads)))
+    launched = args["bm_order"].tolist()
+    assert sorted(launched) == list(range(tiles)) and launched != list(range(tiles))
+    assert mask.forward_args({**cfg, "persistent": 1}, batch, heads)[-1] == 0   # its own order
+    check_sm90(q, k, v, False, config=cfg, seed=3, spec=spec,
+               mod_args={"doc_q": doc_q, "doc_k": doc_k, **args},
+               mask_mod=lambda *_: same_document(doc_q, doc_k))
+
+
 # ---- the backward -------------------------------------------------------------------------------
 
 MAIN = {"block_m": 32, "block_n": 32, "warps": 4, "dsplit": 2, "stages": 2, "grid_order": 0}

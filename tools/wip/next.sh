@@ -34,6 +34,7 @@
 #   bash tools/wip/next.sh persab  # ~6 min: the persistent backward patch, persistent 1 against 0 (§96)
 #   bash tools/wip/next.sh short   # <= 9.5 min: the forward's cells below 1.0 x cuDNN retuned (§98)
 #   bash tools/wip/next.sh order   # ~2.5 min: the document backward's launch order, old against new (§100)
+#   bash tools/wip/next.sh forder  # ~1.5 min: the document forward's launch order, old against new (§101)
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
@@ -179,6 +180,14 @@ case $1 in
          for args in "--mods document" "--seqlen 1024 --mods document" "--head-dim 64 --mods document"; do
            echo "=== $args"; kt .ab/old old $args; kt . new $args
          done 2>&1 | tee "$OUT/order.txt" | grep -E "===|bwd_sm90" ;;
+  forder) # ~1.5 min (PERF_NOTES §101): the document forward's launch order at hd64 full (persistent
+         # 0), old (.ab/old: the tree before) against new: the modifier bench's forward, kernelgen only
+         [ -d .ab/old/kernelgen ] || { echo "carry .ab/old"; exit 2; }
+         for r in 1 2; do for tree in .ab/old .; do
+           (cd $tree && PYTHONPATH=. timeout 100 python3 -m kernelgen.cli bench --mods document --pass fwd \
+              --head-dims 64 --causal false --seqlens 4096 --systems kernelgen --out "$OUT/$r${tree//[.\/]/}" 2>&1 \
+              | grep -E "document" | sed "s|^|$tree |")
+         done; done | tee "$OUT/forder.txt" ;;
   persab) # ~6 min (PERF_NOTES §96): the persistent backward (carry .ab/pers: HEAD with
          # tools/wip/persistent_bwd.patch applied) against its own persistent 0, main-kernel times;
          # the mask cases spill with persistent 1 (measured anyway: the potential), ROUNDS (1)
@@ -195,5 +204,5 @@ case $1 in
          STEPS=ncusrc T_ncusrc=120 NCU_TOP=40 NCU_CASES="flash_attn_bwd_sm90@--backward --seqlen 4096 --mod packed;flash_attn_bwd_sm90@--backward --seqlen 4096 --mod varlen" \
            bash tools/h200_run.sh 2>&1 | tee "$OUT/s33stalls.txt" | grep -E "^---|instructions|by opcode|^ *[0-9.]+% +[0-9.]+% " | cut -c1-150 | head -60
          rm -f "$OUT"/*.ncu-rep ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order"; exit 2 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder"; exit 2 ;;
 esac

@@ -137,6 +137,21 @@ struct TileSchedule {
         // t: the t-th item of the CTAs' round robin (first(), first() + step(), ...).
         // A CTA per tile (kSectionedGrid aside): the tile of its blockIdx.
         constexpr bool kSectioned = C::kCausal && C::kSectionedGrid;
+        if constexpr (!C::kPersistent && !C::kCausal && Mods::kBlockSparse) {
+            // A block mask's launch order (blockmask.BlockMask.tile_order): CTA i takes tile
+            // bm_order[i], the shortest eighth last, so the last wave is not left to long
+            // tiles (PERF_NOTES §99-§101). Null: the grid's own order.
+            // One tile_work either way (two inlined copies cost 256 instructions).
+            int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+            if (mods.bm_order != nullptr) {
+                const int tile = mods.bm_order[blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)];
+                const int hb = tile / int(gridDim.x);
+                m_block = tile % int(gridDim.x);
+                head = hb % heads;
+                batch = hb / heads;
+            }
+            return tile_work<C>(a, mods, m_block, head, batch);
+        }
         if constexpr (!C::kPersistent && !kSectioned)
             return tile_work<C>(a, mods, C::kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x,
                                 blockIdx.y, blockIdx.z);
