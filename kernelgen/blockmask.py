@@ -187,7 +187,7 @@ class BlockMask:
     classify: Callable[[int, int], torch.Tensor] | None = field(default=None, compare=False,
                                                                 repr=False)
     built: dict = field(default_factory=dict, compare=False, repr=False)
-    # (block_m, block_n, batch, heads, heads_k) -> tile_order's launch order
+    # (block_m, block_n, batch, heads, heads_k, transposed, grouped) -> tile_order's answer
     orders: dict = field(default_factory=dict, compare=False, repr=False)
 
     def lists(self, block_m: int, block_n: int, grouped: bool = False) -> BlockLists:
@@ -220,7 +220,7 @@ class BlockMask:
         """The values of spec.BLOCK_SPARSE_ARGS for a kernel with this tile (tensors for the
         pointers, 0 for a null one); transposed: the backward main kernel's lists (per KV block);
         grouped: a Hopper forward's with wg_skip 1 (lists()); order (batch, heads, heads_k): the
-        Hopper backward's launch order of KV tiles (tile_order), else none."""
+        grid's launch order of its tiles (tile_order, in the same orientation), else none."""
         lists = self.lists(block_m, block_n, grouped)
         if transposed:
             tensors = (lists.q_num, lists.q_idx, lists.full_q_num, lists.full_q_idx)
