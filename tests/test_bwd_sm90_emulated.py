@@ -246,7 +246,7 @@ def test_document_tiles_in_launch_order(order, monkeypatch):
     natural = list(range(tiles))
     if order == "shuffled":
         shuffled = torch.randperm(tiles, generator=torch.Generator().manual_seed(3)).to(torch.int32)
-        monkeypatch.setattr(blockmask.BlockMask, "tile_order", lambda self, *_: shuffled)
+        monkeypatch.setattr(blockmask.BlockMask, "tile_order", lambda self, *_, **__: shuffled)
     launched = mask.tile_order(64, 128, batch, heads, heads_k).tolist()
     assert sorted(launched) == natural and launched != natural
     check(q, k, v, dout, False, mods="flash_attn_document", mod_values=(doc_q, doc_k),

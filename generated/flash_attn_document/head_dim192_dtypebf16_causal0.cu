@@ -27,6 +27,7 @@ struct Mods {
     int bm_stride_b;
     int bm_stride_h;
     int bm_width;
+    const int* bm_order;
     static constexpr int head_dim = 192;
     static constexpr bool causal = false;
     static constexpr bool kScoreMod = false;
@@ -81,7 +82,7 @@ struct Mods {
                                              int seqlen_q, int seqlen_k) const {
 #line 12 "specs/flash_attn_document.yaml"
         return (doc_q[batch * seqlen_q + q_idx] == doc_k[batch * seqlen_k + kv_idx]);
-#line 83 "flash_attn_document__head_dim192_dtypebf16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+#line 84 "flash_attn_document__head_dim192_dtypebf16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int kv_lo(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
@@ -102,13 +103,13 @@ struct Mods {
 };
 
 extern "C" __global__ void __launch_bounds__(Config::kThreads)
-flash_attn_fwd(const elem_t* q, const elem_t* k, const elem_t* v, elem_t* o, float* lse, long long q_stride_b, long long q_stride_s, long long q_stride_h, long long k_stride_b, long long k_stride_s, long long k_stride_h, long long v_stride_b, long long v_stride_s, long long v_stride_h, long long o_stride_b, long long o_stride_s, long long o_stride_h, int batch, int heads, int heads_k, int seqlen_q, int seqlen_k, float softmax_scale, const int* doc_q, const int* doc_k, const int* bm_num, const int* bm_idx, const int* bm_full_num, const int* bm_full_idx, int bm_stride_b, int bm_stride_h, int bm_width) {
+flash_attn_fwd(const elem_t* q, const elem_t* k, const elem_t* v, elem_t* o, float* lse, long long q_stride_b, long long q_stride_s, long long q_stride_h, long long k_stride_b, long long k_stride_s, long long k_stride_h, long long v_stride_b, long long v_stride_s, long long v_stride_h, long long o_stride_b, long long o_stride_s, long long o_stride_h, int batch, int heads, int heads_k, int seqlen_q, int seqlen_k, float softmax_scale, const int* doc_q, const int* doc_k, const int* bm_num, const int* bm_idx, const int* bm_full_num, const int* bm_full_idx, int bm_stride_b, int bm_stride_h, int bm_width, const int* bm_order) {
     const kg::FwdArgs<elem_t> args{q, k, v, o, lse,
                                    q_stride_b, q_stride_s, q_stride_h,
                                    k_stride_b, k_stride_s, k_stride_h,
                                    v_stride_b, v_stride_s, v_stride_h,
                                    o_stride_b, o_stride_s, o_stride_h,
                                    batch, heads, heads_k, seqlen_q, seqlen_k, softmax_scale};
-    const Mods mods{doc_q, doc_k, bm_num, bm_idx, bm_full_num, bm_full_idx, bm_stride_b, bm_stride_h, bm_width};
+    const Mods mods{doc_q, doc_k, bm_num, bm_idx, bm_full_num, bm_full_idx, bm_stride_b, bm_stride_h, bm_width, bm_order};
     kg::flash_fwd_sm80<Config>(args, mods);
 }
