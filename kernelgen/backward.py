@@ -202,14 +202,19 @@ def _mod_arguments(mods: ModArgs | None, kernels: _Kernels, q, k) -> tuple[tuple
             mods.spec, params, batch, heads, seqlen_q, k.shape[1],
             dict(zip((a.name for a in mods.spec.mods.args), mods.values)), q.device)
     mask.check(mods.spec, params.get("causal", False), batch, heads, seqlen_q, k.shape[1], q.device)
-    tile = lambda kernel: (kernel.config["block_m"], kernel.config["block_n"])  # noqa: E731
-    # The Hopper kernel's full-attention grid takes its KV tiles in the mask's order (shortest
-    # last); the sm80 kernel and causal grids in their own.
-    order = (batch, heads, k.shape[2]) if (backward_sm90.is_sm90(kernels.main)
-                                           and not params.get("causal", False)) else None
-    main = mods.values + mask.kernel_args(*tile(kernels.main), transposed=True, order=order)
-    dq = None if kernels.dq is None else mods.values + mask.kernel_args(*tile(kernels.dq))
+    main = mods.values + main_block_args(mask, kernels.main, q, k)
+    dq = None if kernels.dq is None else mods.values + mask.kernel_args(
+        kernels.dq.config["block_m"], kernels.dq.config["block_n"])
     return main, dq
+
+
+def main_block_args(mask, kernel, q, k) -> tuple:
+    """A block mask's arguments for the main kernel `kernel`: its tile's transposed lists and,
+    for the Hopper kernel's full-attention grid, its KV tiles' launch order (shortest last,
+    BlockMask.tile_order; the sm80 kernel and causal grids keep their own)."""
+    ordered = backward_sm90.is_sm90(kernel) and not kernel.variant["causal"]
+    return mask.kernel_args(kernel.config["block_m"], kernel.config["block_n"], transposed=True,
+                            order=(q.shape[0], q.shape[2], k.shape[2]) if ordered else None)
 
 
 def _launcher(device: int):

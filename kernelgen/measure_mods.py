@@ -23,7 +23,7 @@ from collections.abc import Mapping
 
 import torch
 
-from kernelgen import api, backward, backward_sm90, measure, measure_bwd
+from kernelgen import api, backward, measure, measure_bwd
 from kernelgen.search import Check
 from kernelgen.spec import KernelSpec, load_spec
 from kernelgen.tune import Problem, TuneError
@@ -216,11 +216,7 @@ class BackwardWorkload(measure_bwd.Workload):
         args = (self.dout, self.q, self.k, self.v, self.out, self.lse, self.scale)
         mods = self.mods
         if self.block_mask is not None:   # the transposed lists at this config's tile
-            # (and the Hopper kernel's full-attention launch order, as backward._mod_arguments)
-            order = ((self.q.shape[0], self.q.shape[2], self.k.shape[2])
-                     if backward_sm90.is_sm90(kernel) and not kernel.variant["causal"] else None)
-            mods += _pointers(self.block_mask.kernel_args(
-                kernel.config["block_m"], kernel.config["block_n"], transposed=True, order=order))
+            mods += _pointers(backward.main_block_args(self.block_mask, kernel, self.q, self.k))
         return lambda: backward._run(kernels, launch, *args, buffers=self.buffers, mod_args=mods)
 
     def _run_once(self, launch) -> None:

@@ -4,6 +4,7 @@
 #pragma once
 #include "kernelgen/flash_bwd_sm80.cuh"  // BwdArgs
 #include "kernelgen/bwd_sm90_config.cuh"
+#include "kernelgen/tile_order.cuh"  // launch_index
 
 namespace kg {
 
@@ -118,8 +119,7 @@ __device__ __forceinline__ BwdWork bwd_work(const BwdArgs<typename C::Elem>& a, 
         // tile bm_order[i], its shortest tiles last, so the last wave is not left to the long
         // ones (PERF_NOTES §99). Null: the grid's own order.
         if (mods.bm_order != nullptr) {
-            const int n_blocks = gridDim.x;
-            const int tile = mods.bm_order[blockIdx.x + n_blocks * (blockIdx.y + gridDim.y * blockIdx.z)];
+            const int n_blocks = gridDim.x, tile = mods.bm_order[launch_index()];
             n_block = tile % n_blocks;
             kv_head = tile / n_blocks % a.heads_k;
             batch = tile / (n_blocks * a.heads_k);

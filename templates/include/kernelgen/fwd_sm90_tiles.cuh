@@ -144,7 +144,7 @@ struct TileSchedule {
             // One tile_work either way (two inlined copies cost 256 instructions).
             int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
             if (mods.bm_order != nullptr) {
-                const int tile = mods.bm_order[blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)];
+                const int tile = mods.bm_order[launch_index()];
                 const int hb = tile / int(gridDim.x);
                 m_block = tile % int(gridDim.x);
                 head = hb % heads;
@@ -159,7 +159,7 @@ struct TileSchedule {
         // as the dynamic schedule's CTAs claim tiles; so the t-th started takes that schedule's
         // t-th tile.
         if constexpr (!C::kPersistent)
-            t = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+            t = launch_index();
         const int pairs = C::kPersistent ? count / m_blocks : gridDim.y * gridDim.z;
         int m_block, hb;
         if constexpr (kZigzag) t = zigzag_item(t, gridDim.x, zigzag());

@@ -33,6 +33,12 @@
 
 namespace kg {
 
+// This CTA's place in its grid's launch order: the GPU starts CTAs in blockIdx order, x fastest,
+// as SMs free up (the sectioned causal grid and a block mask's bm_order map it to a tile).
+__device__ __forceinline__ int launch_index() {
+    return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+}
+
 // Pairs per section when each pair keeps `pair_bytes` in L2 (at least one).
 __device__ __forceinline__ int section_pairs(i64 pair_bytes) {
     return int(max(i64(1), i64(KG_L2_SECTION_BYTES) / max(pair_bytes, i64(1))));
