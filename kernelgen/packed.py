@@ -12,10 +12,16 @@ sequence, which the kernel uses as an exact kv range: no block mask, no id loads
     attn = kernelgen.load("flash_attn_packed", head_dim=128, dtype="bf16", causal=True)
     out = attn(q, k, v, doc_start=start, doc_end=end)
     out = kernelgen.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=True)
+
+A varlen call's gradients on the Hopper backward take flash_attn_document's kernel instead
+(_document_route): its sequences are documents, their indices per token the ids, and a block
+mask built once per offsets tensor lists each KV tile's query tiles, where the kv-range kernel
+searches for them per KV tile (PERF_NOTES §102).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from numbers import Integral
 
 import torch
@@ -137,20 +143,22 @@ _REMEMBER = 4
 
 
 def _varlen_remembered(cu_q, cu_k, causal: bool, window: tuple[int, int]):
+    """(_varlen's answer, a dict kept with it for what else is built once per offsets: the
+    gradients' _Route)."""
     cu_k = cu_q if cu_k is None else cu_k
     if not (isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor)
             and cu_q.is_cuda and cu_k.is_cuda):
-        return _varlen(cu_q, cu_k, causal, own_causal=True, window=window)
+        return _varlen(cu_q, cu_k, causal, own_causal=True, window=window), {}
     key, versions = (id(cu_q), id(cu_k), causal, window), (cu_q._version, cu_k._version)
     hit = _REMEMBERED.get(key)
     if hit is not None and hit[0] is cu_q and hit[1] is cu_k and hit[2] == versions:
         _REMEMBERED.move_to_end(key)
-        return hit[3]
+        return hit[3], hit[4]
     found = _varlen(cu_q, cu_k, causal, own_causal=True, window=window)
-    _REMEMBERED[key] = (cu_q, cu_k, versions, found)
+    entry = _REMEMBERED[key] = (cu_q, cu_k, versions, found, {})
     while len(_REMEMBERED) > _REMEMBER:
         _REMEMBERED.popitem(last=False)
-    return found
+    return found, entry[4]
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None,
@@ -177,8 +185,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             raise ValueError(f"flash_attn_varlen_func: {name} must be a (total_tokens, heads, "
                              f"head_dim) tensor, got {_describe(x)}")
-    start, end, total_q, total_k, longest_q, longest_k, kernel_causal = _varlen_remembered(
-        cu_seqlens_q, cu_seqlens_k, bool(causal), ops.window_bounds(window_size))
+    found, remembered = _varlen_remembered(cu_seqlens_q, cu_seqlens_k, bool(causal),
+                                           ops.window_bounds(window_size))
+    start, end, total_q, total_k, longest_q, longest_k, kernel_causal = found
     for name, x, total, longest, bound in (("q", q, total_q, longest_q, max_seqlen_q),
                                            ("k", k, total_k, longest_k, max_seqlen_k)):
         if x.shape[0] != total:
@@ -194,12 +203,99 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
 
     q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)   # a batch of one
     ops._check_inputs(q4, k4, v4)
-    got = builtin_kernel("flash_attn_packed", q4, causal=kernel_causal)(
-        q4, k4, v4, softmax_scale=softmax_scale, return_lse=return_lse,
-        deterministic=deterministic, doc_start=start.to(q.device), doc_end=end.to(q.device))
+    packed = builtin_kernel("flash_attn_packed", q4, causal=kernel_causal)
+    ranges = {"doc_start": start.to(q.device), "doc_end": end.to(q.device)}
+    wants_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    route = None
+    if wants_grad and not deterministic and (kernel_causal or not causal) \
+            and ops.window_bounds(window_size) == (-1, -1):
+        route = _document_route(remembered, cu_seqlens_q, cu_seqlens_k, q4, k4, kernel_causal)
+    if route is None:
+        got = packed(q4, k4, v4, softmax_scale=softmax_scale, return_lse=True,
+                     deterministic=deterministic, **ranges)
+    else:
+        values = packed._mod_values(ranges, q.device, {"batch": 1, "heads": q.shape[1],
+                                                       "seqlen_q": total_q, "seqlen_k": total_k})
+        got = _DocumentGradients.apply(packed, route, ops._scale(q4, softmax_scale), q4, k4, v4,
+                                       *values)
     if return_lse:
         return got[0].squeeze(0), got[1].squeeze(0)
-    return got.squeeze(0)
+    return got[0].squeeze(0)
+
+
+@dataclass(frozen=True)
+class _Route:
+    """The document kernel whose backward gives a varlen call's gradients: flash_attn_document
+    over the call's sequences (each token's sequence index its document id, ids_q / ids_k
+    (1, total) int32) and the block mask of those ids, built once per offsets and kept with them."""
+    kernel: object   # attention.AttentionKernel
+    ids_q: torch.Tensor
+    ids_k: torch.Tensor
+    mask: object     # blockmask.BlockMask
+
+
+def _document_route(remembered: dict, cu_q, cu_k, q4, k4, causal: bool) -> _Route | None:
+    """The route for a varlen call whose gradients are wanted (not deterministic, no window; causal
+    only as the kernel's own mask, queries and keys at the same offsets), or None: taken where
+    both kernels' backwards run on the Hopper family, which is where it was measured (PERF_NOTES
+    §102). The same pairs are visible either way (query i sees key j when both are in one
+    sequence, and j <= i when causal), but the kv-range backward finds each KV tile's query tiles
+    by testing every query tile of the flattened batch (a few hundred, 32 a round), where the
+    block mask lists them, and launches its KV tiles shortest last (BlockMask.tile_order)."""
+    from kernelgen import backward_sm90
+    from kernelgen.attention import builtin_kernel
+
+    document = builtin_kernel("flash_attn_document", q4, causal=causal)
+    packed = builtin_kernel("flash_attn_packed", q4, causal=causal)
+    head_dim, device, total_k = q4.shape[-1], q4.device.index, k4.shape[1]
+    if not all(backward_sm90.applies(head_dim, device, False, total_k, kernel.spec, kernel.params)
+               for kernel in (document, packed)):
+        return None
+    key = (head_dim, ops._DTYPES[q4.dtype], causal)
+    route = remembered.get(key)
+    if route is None:
+        cu_k = cu_q if cu_k is None else cu_k
+        ids_q, ids_k = sequence_ids(cu_q, q4.shape[1]), sequence_ids(cu_k, total_k)
+        mask = document.create_block_mask(1, q4.shape[2], q4.shape[1], total_k, doc_q=ids_q,
+                                          doc_k=ids_k)
+        route = remembered[key] = _Route(document, ids_q, ids_k, mask)
+    return route
+
+
+def sequence_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """(1, total) int32 on cu_seqlens' device: each token's sequence under the offsets (token t is
+    in sequence d when cu_seqlens[d] <= t < cu_seqlens[d + 1]; empty sequences hold none), as
+    flash_attn_document's per-token document ids."""
+    cu = cu_seqlens.to(torch.int64)
+    tokens = torch.arange(total, device=cu.device)
+    return torch.searchsorted(cu[1:], tokens, right=True).to(torch.int32).view(1, total).contiguous()
+
+
+class _DocumentGradients(torch.autograd.Function):
+    """flash_attn_packed's forward on a varlen call's ranges, and as its backward that of the
+    route's document kernel (backward.flash_attn_backward with its mods and block mask): the same
+    attention, so the forward's out and lse are what that backward needs."""
+
+    @staticmethod
+    def forward(ctx, packed, route: _Route, scale: float, q, k, v, start, end):
+        out, lse = packed.forward(q, k, v, scale, (start, end))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.route, ctx.scale = route, scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        from kernelgen import backward
+
+        q, k, v, out, lse = ctx.saved_tensors
+        kernel = ctx.route.kernel
+        mods = backward.ModArgs(kernel.spec, kernel.variant.params,
+                                (ctx.route.ids_q, ctx.route.ids_k), ctx.route.mask)
+        dq, dk, dv = backward.flash_attn_backward(dout, q, k, v, out, lse,
+                                                  bool(kernel.params["causal"]), ctx.scale,
+                                                  mods=mods)
+        return None, None, None, dq, dk, dv, None, None
 
 
 def _describe(value) -> str:

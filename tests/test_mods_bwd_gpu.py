@@ -197,6 +197,39 @@ def test_varlen_func_causal_same_offsets():
     check(run, q[None], k[None], v[None], mask_mod=lambda *_: visible)
 
 
+@pytest.mark.parametrize("case", ["full", "causal", "causal_other_offsets", "window"])
+def test_varlen_gradients_route(main_kernel, case):
+    """Which backward a varlen call's gradients run (packed._document_route): on the Hopper
+    family flash_attn_document's over the sequences (its block mask kept with the offsets) for
+    full attention and for causal at the same offsets; else, and on the mma.sync family, the
+    kv-range kernel's. The gradients are checked either way."""
+    from kernelgen import packed
+
+    window = (40, 9) if case == "window" else (-1, -1)
+    causal = case.startswith("causal")
+    if case == "causal":
+        cu, (q, k, v), visible = same_offsets_problem(128)
+        cu_q, cu_k = cu.clone(), cu.clone()
+    else:
+        (cu_q, cu_k), (q, k, v), _ = varlen_problem(128, causal)
+        cu_q, cu_k = cu_q.clone(), cu_k.clone()
+        visible = varlen_mask(cu_q, cu_k, causal, window)
+
+    def run(q, k, v):
+        out, lse = kernelgen.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, causal=causal,
+                                                    window_size=window, return_lse=True)
+        return out[None], lse[None]
+
+    check(run, q[None], k[None], v[None], mask_mod=lambda *_: visible)
+    kept = [entry[4] for entry in packed._REMEMBERED.values() if entry[0] is cu_q]
+    assert len(kept) == 1
+    routed = main_kernel == "sm90" and case in ("full", "causal")
+    assert bool(kept[0]) == routed, (case, main_kernel, kept[0])
+    if routed:
+        (route,) = kept[0].values()
+        assert route.kernel.spec.name == "flash_attn_document" and route.mask.causal == causal
+
+
 def test_tutorial_prefix_lm():
     kernel = kernelgen.load(str(REPO_ROOT / "examples" / "prefix_lm.yaml"), head_dim=64, dtype="bf16")
     torch.manual_seed(5)

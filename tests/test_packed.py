@@ -190,3 +190,22 @@ def test_varlen_func_names_the_bad_argument(args, error, match):
     call.update(args)
     with pytest.raises(error, match=match):
         kernelgen.flash_attn_varlen_func(**call)
+
+
+@pytest.mark.parametrize("cu_k", [None, torch.tensor([0, 2, 2, 9, 10, 13])])
+def test_sequence_ids_are_the_varlen_mask(cu_k):
+    """The ids a varlen call's gradients give flash_attn_document (packed.sequence_ids): equal
+    for query i and key j exactly where varlen's mask (without causal) shows j to i, an empty
+    sequence's and a sequence without keys' included; with the same offsets and j <= i, the
+    causal mask the document kernel's causal variant then applies."""
+    from kernelgen.packed import sequence_ids
+
+    cu = torch.tensor([0, 5, 6, 6, 15, 21], dtype=torch.int32)
+    keys = cu if cu_k is None else cu_k
+    ids_q, ids_k = sequence_ids(cu, 21), sequence_ids(keys, int(keys[-1]))
+    assert ids_q.shape == (1, 21) and ids_q.dtype == torch.int32 and ids_q.is_contiguous()
+    same = ids_q[0, :, None] == ids_k[0, None, :]
+    assert torch.equal(same, varlen_mask(cu, keys, False))
+    if cu_k is None:
+        tokens = torch.arange(21)
+        assert torch.equal(same & (tokens[None, :] <= tokens[:, None]), varlen_mask(cu, cu, True))

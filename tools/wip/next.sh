@@ -35,6 +35,8 @@
 #   bash tools/wip/next.sh short   # <= 9.5 min: the forward's cells below 1.0 x cuDNN retuned (§98)
 #   bash tools/wip/next.sh order   # ~2.5 min: the document backward's launch order, old against new (§100)
 #   bash tools/wip/next.sh forder  # ~1.5 min: the document forward's launch order, old against new (§101)
+#   bash tools/wip/next.sh varlen  # ~4 min: varlen's gradients by the document kernel (§102): GPU tests,
+#                                  #   then the modifier bench's backward, old (carry .ab/head) against new
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
@@ -188,6 +190,17 @@ case $1 in
               --head-dims 64 --causal false --seqlens 4096 --systems kernelgen --out "$OUT/$r${tree//[.\/]/}" 2>&1 \
               | grep -E "document" | sed "s|^|$tree |")
          done; done | tee "$OUT/forder.txt" ;;
+  varlen) # ~4 min (PERF_NOTES §102): varlen's gradients through flash_attn_document's backward
+         # (packed._document_route): the varlen GPU tests, then bench --mods varlen document's
+         # backward at 4k, the tree before (.ab/head: git archive of it) against this one
+         [ -d .ab/head/kernelgen ] || { echo "carry .ab/head"; exit 2; }
+         PYTHONPATH=. timeout 200 python3 -m pytest -q -x -m gpu -k "varlen" tests/test_mods_bwd_gpu.py \
+           tests/test_mods_gpu.py 2>&1 | tail -3 | tee "$OUT/varlen_tests.txt"
+         for r in 1 2; do for tree in .ab/head .; do
+           (cd $tree && PYTHONPATH=. timeout 120 python3 -m kernelgen.cli bench --mods varlen document \
+              --pass bwd --seqlens 4096 --systems kernelgen --out "$OUT/v$r${tree//[.\/]/}" 2>&1 \
+              | grep -E "varlen|document" | sed "s|^|$tree |")
+         done; done | tee "$OUT/varlen.txt" ;;
   persab) # ~6 min (PERF_NOTES §96): the persistent backward (carry .ab/pers: HEAD with
          # tools/wip/persistent_bwd.patch applied) against its own persistent 0, main-kernel times;
          # the mask cases spill with persistent 1 (measured anyway: the potential), ROUNDS (1)
@@ -204,5 +217,5 @@ case $1 in
          STEPS=ncusrc T_ncusrc=120 NCU_TOP=40 NCU_CASES="flash_attn_bwd_sm90@--backward --seqlen 4096 --mod packed;flash_attn_bwd_sm90@--backward --seqlen 4096 --mod varlen" \
            bash tools/h200_run.sh 2>&1 | tee "$OUT/s33stalls.txt" | grep -E "^---|instructions|by opcode|^ *[0-9.]+% +[0-9.]+% " | cut -c1-150 | head -60
          rm -f "$OUT"/*.ncu-rep ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder"; exit 2 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen"; exit 2 ;;
 esac
