@@ -189,6 +189,10 @@ class BlockMask:
     built: dict = field(default_factory=dict, compare=False, repr=False)
     # (block_m, block_n, batch, heads, heads_k, transposed, grouped) -> tile_order's answer
     orders: dict = field(default_factory=dict, compare=False, repr=False)
+    # The mask as exact per-token key ranges (doc_start, doc_end), (batch, seqlen_q) int32, where
+    # its spec knows them: flash_attn_document's ids packed in order (AttentionKernel's
+    # create_block_mask). The Hopper forward then runs flash_attn_packed's kernel on them.
+    ranges: tuple | None = field(default=None, compare=False, repr=False)
 
     def lists(self, block_m: int, block_n: int, grouped: bool = False) -> BlockLists:
         """grouped (block_m 128 only): the forward lists with each row's partial blocks grouped

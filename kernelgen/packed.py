@@ -13,7 +13,7 @@ sequence, which the kernel uses as an exact kv range: no block mask, no id loads
     out = attn(q, k, v, doc_start=start, doc_end=end)
     out = kernelgen.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=True)
 
-A varlen call's gradients on the Hopper backward take flash_attn_document's kernel instead
+A varlen call's gradients (full attention) on the Hopper backward take flash_attn_document's kernel instead
 (_document_route): its sequences are documents, their indices per token the ids, and a block
 mask built once per offsets tensor lists each KV tile's query tiles, where the kv-range kernel
 searches for them per KV tile (PERF_NOTES §102).
@@ -60,6 +60,21 @@ def packed_ranges(doc_q: torch.Tensor, doc_k: torch.Tensor | None = None
             raise ValueError(f"packed_ranges: {name} must be non-decreasing along each sequence "
                              "(documents packed back to back, numbered in order); "
                              "flash_attn_document takes ids in any layout")
+    return _ranges(doc_q, doc_k)
+
+
+def ordered_ranges(doc_q: torch.Tensor, doc_k: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """packed_ranges of flash_attn_document's ids (checked by its kernel already) where both are
+    non-decreasing along each sequence, else None (one host sync): what its create_block_mask
+    keeps in the mask, so that the forward runs on the ranges (attention.AttentionKernel)."""
+    if doc_q.shape[1] < 2**31 and doc_k.shape[1] < 2**31 and not torch.stack(
+            [(ids[:, 1:] < ids[:, :-1]).any() for ids in (doc_q, doc_k)]).any().item():
+        return _ranges(doc_q, doc_k)
+    return None
+
+
+def _ranges(doc_q: torch.Tensor, doc_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     keys, queries = doc_k.to(torch.int64).contiguous(), doc_q.to(torch.int64).contiguous()
     start = torch.searchsorted(keys, queries, right=False)
     end = torch.searchsorted(keys, queries, right=True)
@@ -207,9 +222,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     ranges = {"doc_start": start.to(q.device), "doc_end": end.to(q.device)}
     wants_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     route = None
-    if wants_grad and not deterministic and (kernel_causal or not causal) \
-            and ops.window_bounds(window_size) == (-1, -1):
-        route = _document_route(remembered, cu_seqlens_q, cu_seqlens_k, q4, k4, kernel_causal)
+    if wants_grad and not deterministic and not causal and ops.window_bounds(window_size) == (-1, -1):
+        route = _document_route(remembered, cu_seqlens_q, cu_seqlens_k, q4, k4)
     if route is None:
         got = packed(q4, k4, v4, softmax_scale=softmax_scale, return_lse=True,
                      deterministic=deterministic, **ranges)
@@ -226,7 +240,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
 @dataclass(frozen=True)
 class _Route:
     """The document kernel whose backward gives a varlen call's gradients: flash_attn_document
-    over the call's sequences (each token's sequence index its document id, ids_q / ids_k
+    (full attention) over the call's sequences (each token's sequence index its document id, ids_q / ids_k
     (1, total) int32) and the block mask of those ids, built once per offsets and kept with them."""
     kernel: object   # attention.AttentionKernel
     ids_q: torch.Tensor
@@ -234,24 +248,25 @@ class _Route:
     mask: object     # blockmask.BlockMask
 
 
-def _document_route(remembered: dict, cu_q, cu_k, q4, k4, causal: bool) -> _Route | None:
-    """The route for a varlen call whose gradients are wanted (not deterministic, no window; causal
-    only as the kernel's own mask, queries and keys at the same offsets), or None: taken where
-    both kernels' backwards run on the Hopper family, which is where it was measured (PERF_NOTES
-    §102). The same pairs are visible either way (query i sees key j when both are in one
-    sequence, and j <= i when causal), but the kv-range backward finds each KV tile's query tiles
-    by testing every query tile of the flattened batch (a few hundred, 32 a round), where the
-    block mask lists them, and launches its KV tiles shortest last (BlockMask.tile_order)."""
+def _document_route(remembered: dict, cu_q, cu_k, q4, k4) -> _Route | None:
+    """The route for a varlen call whose gradients are wanted (full attention, no window, not
+    deterministic), or None: taken where both kernels' backwards run on the Hopper family, which
+    is where it was measured (PERF_NOTES §102: +14% at hd128 4k). The same pairs are visible
+    either way (query i sees key j when both are in one sequence), but the kv-range backward finds
+    each KV tile's query tiles by testing every query tile of the flattened batch (a few hundred,
+    32 a round), where the block mask lists them, and launches its KV tiles shortest last
+    (BlockMask.tile_order). Not causal: the document kernel's causal grid, in position order over
+    the one flattened sequence, measured 16% slower than the kv-range kernel there."""
     from kernelgen import backward_sm90
     from kernelgen.attention import builtin_kernel
 
-    document = builtin_kernel("flash_attn_document", q4, causal=causal)
-    packed = builtin_kernel("flash_attn_packed", q4, causal=causal)
+    document = builtin_kernel("flash_attn_document", q4, causal=False)
+    packed = builtin_kernel("flash_attn_packed", q4, causal=False)
     head_dim, device, total_k = q4.shape[-1], q4.device.index, k4.shape[1]
     if not all(backward_sm90.applies(head_dim, device, False, total_k, kernel.spec, kernel.params)
                for kernel in (document, packed)):
         return None
-    key = (head_dim, ops._DTYPES[q4.dtype], causal)
+    key = (head_dim, ops._DTYPES[q4.dtype])
     route = remembered.get(key)
     if route is None:
         cu_k = cu_q if cu_k is None else cu_k
@@ -292,8 +307,7 @@ class _DocumentGradients(torch.autograd.Function):
         kernel = ctx.route.kernel
         mods = backward.ModArgs(kernel.spec, kernel.variant.params,
                                 (ctx.route.ids_q, ctx.route.ids_k), ctx.route.mask)
-        dq, dk, dv = backward.flash_attn_backward(dout, q, k, v, out, lse,
-                                                  bool(kernel.params["causal"]), ctx.scale,
+        dq, dk, dv = backward.flash_attn_backward(dout, q, k, v, out, lse, False, ctx.scale,
                                                   mods=mods)
         return None, None, None, dq, dk, dv, None, None
 

@@ -12,7 +12,8 @@ import textwrap
 
 import pytest
 import torch
-from test_mods_gpu import packed_documents, same_offsets_problem, varlen_mask, varlen_problem
+from test_mods_gpu import (document_ids, packed_documents, same_offsets_problem, varlen_mask,
+                           varlen_problem)
 
 import kernelgen
 from kernelgen import backward, backward_sm90, env
@@ -147,6 +148,21 @@ def test_document_mask(causal, head_dim):
 
 
 @pytest.mark.parametrize("causal", [False, True])
+def test_document_block_mask_as_ranges(causal):
+    """Gradients of flash_attn_document with a block mask that keeps its ids (packed in order)
+    as key ranges: the forward runs flash_attn_packed's kernel on them (on the Hopper family),
+    the backward the block mask's (test_mods_gpu's document_ids: other lengths, GQA, rows that
+    see nothing)."""
+    (doc_q, doc_k), (q, k, v), same = document_ids(128)
+    kernel = kernelgen.load("flash_attn_document", head_dim=128, dtype="bf16", causal=causal)
+    mask = kernel.create_block_mask(*doc_q.shape, q.shape[2], doc_k.shape[1], doc_q=doc_q,
+                                    doc_k=doc_k)
+    assert mask.ranges is not None
+    check(lambda q, k, v: kernel(q, k, v, doc_q=doc_q, doc_k=doc_k, block_mask=mask,
+                                 return_lse=True), q, k, v, causal, mask_mod=lambda *_: same)
+
+
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_packed_documents(causal, head_dim):
     """flash_attn_packed's gradients (test_mods_gpu's inputs: seqlen_q != seqlen_k, GQA, a query
@@ -201,8 +217,8 @@ def test_varlen_func_causal_same_offsets():
 def test_varlen_gradients_route(main_kernel, case):
     """Which backward a varlen call's gradients run (packed._document_route): on the Hopper
     family flash_attn_document's over the sequences (its block mask kept with the offsets) for
-    full attention and for causal at the same offsets; else, and on the mma.sync family, the
-    kv-range kernel's. The gradients are checked either way."""
+    full attention; causal (at the same offsets or not), a window, and the mma.sync family keep
+    the kv-range kernel's. The gradients are checked either way."""
     from kernelgen import packed
 
     window = (40, 9) if case == "window" else (-1, -1)
@@ -223,11 +239,11 @@ def test_varlen_gradients_route(main_kernel, case):
     check(run, q[None], k[None], v[None], mask_mod=lambda *_: visible)
     kept = [entry[4] for entry in packed._REMEMBERED.values() if entry[0] is cu_q]
     assert len(kept) == 1
-    routed = main_kernel == "sm90" and case in ("full", "causal")
+    routed = main_kernel == "sm90" and case == "full"
     assert bool(kept[0]) == routed, (case, main_kernel, kept[0])
     if routed:
         (route,) = kept[0].values()
-        assert route.kernel.spec.name == "flash_attn_document" and route.mask.causal == causal
+        assert route.kernel.spec.name == "flash_attn_document" and not route.mask.causal
 
 
 def test_tutorial_prefix_lm():

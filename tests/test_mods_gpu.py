@@ -88,10 +88,39 @@ def test_document_mask(causal):
     check(got, q, k, v, causal, mask_mod=lambda *_: same)
 
 
-def packed_documents(head_dim):
-    """flash_attn_packed's inputs: sorted ids of 700 queries and 530 keys (ragged tiles) as
-    kernelgen.packed_ranges, GQA 4/2, query document 5 with no keys (rows that see nothing);
-    returns (start, end), (q, k, v) and the ids' mask (batch, 1, seqlen_q, seqlen_k)."""
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("ordered", [True, False])
+def test_document_block_mask_as_ranges(monkeypatch, causal, ordered):
+    """flash_attn_document's create_block_mask keeps ids packed in order as key ranges, and the
+    Hopper forward then runs flash_attn_packed's kernel on them; the same runs numbered
+    backwards keep the block mask's kernel. Queries and keys of other lengths, GQA, a query
+    document without keys (document_ids')."""
+    from kernelgen import mods_sm90
+
+    (doc_q, doc_k), (q, k, v), same = document_ids(128)
+    if not ordered:
+        doc_q, doc_k = 9 - doc_q, 9 - doc_k
+    kernel = kernelgen.load("flash_attn_document", head_dim=128, dtype="bf16", causal=causal)
+    mask = kernel.create_block_mask(*doc_q.shape, q.shape[2], doc_k.shape[1], doc_q=doc_q,
+                                    doc_k=doc_k)
+    assert (mask.ranges is not None) == ordered
+    ran, forward_sm90 = [], mods_sm90.forward_sm90
+
+    def spy(spec, *args, **kwargs):
+        ran.append(getattr(spec, "name", spec))
+        return forward_sm90(spec, *args, **kwargs)
+
+    monkeypatch.setattr(mods_sm90, "forward_sm90", spy)
+    got = kernel(q, k, v, doc_q=doc_q, doc_k=doc_k, block_mask=mask, return_lse=True)
+    check(got, q, k, v, causal, mask_mod=lambda *_: same)
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert ran == ["flash_attn_packed" if ordered else "flash_attn_document"]
+
+
+def document_ids(head_dim):
+    """Sorted ids of 700 queries and 530 keys (ragged tiles), 2 sequences, GQA 4/2, query
+    document 5 with no keys (rows that see nothing); returns (doc_q, doc_k), (q, k, v) and the
+    ids' mask (batch, 1, seqlen_q, seqlen_k)."""
     torch.manual_seed(6)
     batch, seqlen_q, seqlen_k, heads, heads_k = 2, 700, 530, 4, 2
     doc_q = torch.sort(torch.randint(0, 6, (batch, seqlen_q), device="cuda"), dim=1).values
@@ -100,6 +129,13 @@ def packed_documents(head_dim):
     k, v = rand(batch, seqlen_k, heads_k, head_dim), rand(batch, seqlen_k, heads_k, head_dim)
     same = (doc_q[:, :, None] == doc_k[:, None, :])[:, None]
     assert not same.any(dim=-1).all()   # some rows see nothing
+    return (doc_q.to(torch.int32), doc_k.to(torch.int32)), (q, k, v), same
+
+
+def packed_documents(head_dim):
+    """flash_attn_packed's inputs: document_ids' as kernelgen.packed_ranges; returns (start,
+    end), (q, k, v) and the ids' mask (batch, 1, seqlen_q, seqlen_k)."""
+    (doc_q, doc_k), (q, k, v), same = document_ids(head_dim)
     return kernelgen.packed_ranges(doc_q, doc_k), (q, k, v), same
 
 

@@ -195,9 +195,8 @@ def test_varlen_func_names_the_bad_argument(args, error, match):
 @pytest.mark.parametrize("cu_k", [None, torch.tensor([0, 2, 2, 9, 10, 13])])
 def test_sequence_ids_are_the_varlen_mask(cu_k):
     """The ids a varlen call's gradients give flash_attn_document (packed.sequence_ids): equal
-    for query i and key j exactly where varlen's mask (without causal) shows j to i, an empty
-    sequence's and a sequence without keys' included; with the same offsets and j <= i, the
-    causal mask the document kernel's causal variant then applies."""
+    for query i and key j exactly where varlen's mask shows j to i (full attention, the route's
+    only case), an empty sequence's and a sequence without keys' included."""
     from kernelgen.packed import sequence_ids
 
     cu = torch.tensor([0, 5, 6, 6, 15, 21], dtype=torch.int32)
@@ -206,6 +205,20 @@ def test_sequence_ids_are_the_varlen_mask(cu_k):
     assert ids_q.shape == (1, 21) and ids_q.dtype == torch.int32 and ids_q.is_contiguous()
     same = ids_q[0, :, None] == ids_k[0, None, :]
     assert torch.equal(same, varlen_mask(cu, keys, False))
-    if cu_k is None:
-        tokens = torch.arange(21)
-        assert torch.equal(same & (tokens[None, :] <= tokens[:, None]), varlen_mask(cu, cu, True))
+
+
+def test_ordered_document_ids_as_ranges():
+    """packed.ordered_ranges (what flash_attn_document's create_block_mask keeps): ids packed in
+    order give packed_ranges' ranges; the same runs out of order (numbered backwards in one
+    sequence of the batch, keys or queries) give None, where packed_ranges refuses them."""
+    from kernelgen.packed import ordered_ranges
+
+    doc_q = torch.tensor([[0, 0, 1, 1, 1, 3], [2, 2, 2, 5, 5, 5]], dtype=torch.int32)
+    doc_k = torch.tensor([[0, 1, 1, 2, 3], [2, 4, 5, 5, 5]], dtype=torch.int32)
+    got = ordered_ranges(doc_q, doc_k)
+    assert all(torch.equal(a, b) for a, b in zip(got, kernelgen.packed_ranges(doc_q, doc_k)))
+    assert torch.equal(mask_of(*got, 5), doc_q[:, :, None] == doc_k[:, None, :])
+    for q, k in ((doc_q, doc_k.flip(1)), (doc_q.flip(1), doc_k)):
+        with pytest.raises(ValueError, match="non-decreasing"):
+            kernelgen.packed_ranges(q, k)
+        assert ordered_ranges(q, k) is None
