@@ -155,8 +155,8 @@ def test_document_block_mask_as_ranges(causal):
     see nothing)."""
     (doc_q, doc_k), (q, k, v), same = document_ids(128)
     kernel = kernelgen.load("flash_attn_document", head_dim=128, dtype="bf16", causal=causal)
-    mask = kernel.create_block_mask(*doc_q.shape, q.shape[2], doc_k.shape[1], doc_q=doc_q,
-                                    doc_k=doc_k)
+    (batch, seqlen_q), seqlen_k = doc_q.shape, doc_k.shape[1]
+    mask = kernel.create_block_mask(batch, q.shape[2], seqlen_q, seqlen_k, doc_q=doc_q, doc_k=doc_k)
     assert mask.ranges is not None
     check(lambda q, k, v: kernel(q, k, v, doc_q=doc_q, doc_k=doc_k, block_mask=mask,
                                  return_lse=True), q, k, v, causal, mask_mod=lambda *_: same)

@@ -101,8 +101,8 @@ def test_document_block_mask_as_ranges(monkeypatch, causal, ordered):
     if not ordered:
         doc_q, doc_k = 9 - doc_q, 9 - doc_k
     kernel = kernelgen.load("flash_attn_document", head_dim=128, dtype="bf16", causal=causal)
-    mask = kernel.create_block_mask(*doc_q.shape, q.shape[2], doc_k.shape[1], doc_q=doc_q,
-                                    doc_k=doc_k)
+    (batch, seqlen_q), seqlen_k = doc_q.shape, doc_k.shape[1]
+    mask = kernel.create_block_mask(batch, q.shape[2], seqlen_q, seqlen_k, doc_q=doc_q, doc_k=doc_k)
     assert (mask.ranges is not None) == ordered
     ran, forward_sm90 = [], mods_sm90.forward_sm90
 
