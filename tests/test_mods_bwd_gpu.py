@@ -173,57 +173,19 @@ def test_packed_documents(causal, head_dim):
           q, k, v, causal, mask_mod=lambda *_: same)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_varlen_func(causal):
-    """kernelgen.flash_attn_varlen_func's gradients (test_mods_gpu's sequences)."""
-    (cu_q, cu_k), (q, k, v), visible = varlen_problem(128, causal)
-
-    def run(q, k, v):
-        out, lse = kernelgen.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, causal=causal,
-                                                    return_lse=True)
-        return out[None], lse[None]
-
-    check(run, q[None], k[None], v[None], mask_mod=lambda *_: visible)
-
-
-@pytest.mark.parametrize("causal, window", [(False, (40, 9)), (True, (70, -1))])
-def test_varlen_func_window(causal, window):
-    """Gradients through flash_attn_varlen_func's window_size (the ranges it folds)."""
-    (cu_q, cu_k), (q, k, v), _ = varlen_problem(128, causal)
-    visible = varlen_mask(cu_q, cu_k, causal, window)
-
-    def run(q, k, v):
-        out, lse = kernelgen.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, causal=causal,
-                                                    window_size=window, return_lse=True)
-        return out[None], lse[None]
-
-    check(run, q[None], k[None], v[None], mask_mod=lambda *_: visible)
-
-
-def test_varlen_func_causal_same_offsets():
-    """Gradients of causal varlen with the same offsets for queries and keys (the packed
-    kernel's causal variant and its backward)."""
-    cu, (q, k, v), visible = same_offsets_problem(128)
-
-    def run(q, k, v):
-        out, lse = kernelgen.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, causal=True,
-                                                    return_lse=True)
-        return out[None], lse[None]
-
-    check(run, q[None], k[None], v[None], mask_mod=lambda *_: visible)
-
-
-@pytest.mark.parametrize("case", ["full", "causal", "causal_other_offsets", "window"])
-def test_varlen_gradients_route(main_kernel, case):
-    """Which backward a varlen call's gradients run (packed._document_route): on the Hopper
-    family flash_attn_document's over the sequences (its block mask kept with the offsets) for
-    full attention; causal (at the same offsets or not), a window, and the mma.sync family keep
-    the kv-range kernel's. The gradients are checked either way."""
+@pytest.mark.parametrize("case, causal, window", [
+    ("full", False, (-1, -1)), ("causal_same_offsets", True, (-1, -1)), ("causal", True, (-1, -1)),
+    ("window", False, (40, 9)), ("causal_window", True, (70, -1))])
+def test_varlen_func(main_kernel, case, causal, window):
+    """kernelgen.flash_attn_varlen_func's gradients (test_mods_gpu's sequences: other lengths
+    for queries and keys, GQA, rows that see nothing; or the same offsets, causal: the packed
+    kernel's causal variant), and which backward ran them (packed._document_route): on the
+    Hopper family flash_attn_document's over the sequences (its block mask kept with the
+    offsets) for full attention; causal, a window's folded ranges and the mma.sync family keep
+    the kv-range kernel's."""
     from kernelgen import packed
 
-    window = (40, 9) if case == "window" else (-1, -1)
-    causal = case.startswith("causal")
-    if case == "causal":
+    if case == "causal_same_offsets":
         cu, (q, k, v), visible = same_offsets_problem(128)
         cu_q, cu_k = cu.clone(), cu.clone()
     else:
