@@ -66,14 +66,20 @@ class AttentionKernel:
         tensors = [x for x in mask_args.values() if isinstance(x, torch.Tensor)]
         device = tensors[0].device if tensors else torch.device("cuda", torch.cuda.current_device())
         values = self._mod_values(mask_args, device, _sizes(batch, heads, seqlen_q, seqlen_k))
-        mask = blockmask.create_block_mask(
-            self.spec, self.params, batch, heads, seqlen_q, seqlen_k,
-            dict(zip((a.name for a in self.mod_args), values)), device)
-        if self.spec.path == load_spec(DOCUMENT_SPEC).path:
-            from kernelgen import packed
+        named = dict(zip((a.name for a in self.mod_args), values))
+        mask = blockmask.create_block_mask(self.spec, self.params, batch, heads, seqlen_q,
+                                           seqlen_k, named, device)
+        return dataclasses.replace(mask, ranges=self._ordered_ranges(named))
 
-            mask = dataclasses.replace(mask, ranges=packed.ordered_ranges(*values))
-        return mask
+    def _ordered_ranges(self, named: dict):
+        """flash_attn_document's ids (`named`: the mod arguments by name) as key ranges
+        (doc_start, doc_end) where they are packed in order (one host sync), else None; None for
+        every other spec."""
+        if self.spec.path != load_spec(DOCUMENT_SPEC).path:
+            return None
+        from kernelgen import packed
+
+        return packed.ordered_ranges(named["doc_q"], named["doc_k"])
 
     def __call__(self, q, k, v, softmax_scale: float | None = None, return_lse: bool = False,
                  deterministic: bool = False, block_mask: blockmask.BlockMask | None = None,
@@ -167,20 +173,27 @@ class AttentionKernel:
         will run on: a mask's data decides which tiles have work), and store the choices in the
         tuning DB, where later calls find them: unless forward=False, the forward of the family
         this GPU runs (the Hopper one on compute capability 9.0) and, unless backward=False, the
-        backward's main kernel if the spec is differentiable. Returns the tune.TuneResults."""
+        backward's main kernel if the spec is differentiable. Returns the tune.TuneResults.
+        flash_attn_document's ids packed in order tune flash_attn_packed's Hopper forward on
+        their ranges instead: what a call with create_block_mask's mask runs (PERF_NOTES §103)."""
         ops._check_inputs(q, k, v)
         values = self._mod_values(mod_args, q.device, _sizes_of(q, k))
         named = dict(zip((a.name for a in self.mod_args), values))
         device = q.device.index
         batch, seqlen_q, heads, _ = q.shape
         problem = tune.Problem(batch, heads, k.shape[2], seqlen_q, k.shape[1])
-        specs = []
+        specs = []   # (spec, its mod arguments by name)
         if forward and ops.forward_family(device) == "sm90":
             from kernelgen import mods_sm90
 
-            specs.append(mods_sm90.sm90_spec(self.spec))
+            ranges = self._ordered_ranges(named)
+            if ranges is None:
+                specs.append((mods_sm90.sm90_spec(self.spec), named))
+            else:
+                specs.append((mods_sm90.sm90_spec(load_spec(PACKED_SPEC)),
+                              dict(zip(("doc_start", "doc_end"), ranges))))
         elif forward:
-            specs.append(self.spec)
+            specs.append((self.spec, named))
         if backward is None:   # differentiable: no score_mod, or one with its derivative
             backward = (self.spec.mods.score_mod is None
                         or self.spec.mods.score_mod_grad is not None)
@@ -190,11 +203,11 @@ class AttentionKernel:
             gradients.check_differentiable(self.spec)
             base = gradients.main_spec_name(q.shape[-1], device, False, k.shape[1], self.spec,
                                             self.params)   # the kernel its gradients will run
-            specs.append(load_spec(self.spec.path, onto=base))
+            specs.append((load_spec(self.spec.path, onto=base), named))
         results = []
-        for spec in specs:
+        for spec, mod_values in specs:
             params = {n: v for n, v in self.params.items() if n in {p.name for p in spec.params}}
-            results.append(tune.tune(spec, problem, device=device, mod_values=named, **params))
+            results.append(tune.tune(spec, problem, device=device, mod_values=mod_values, **params))
         return results
 
     def _mod_values(self, given: dict, device, sizes: dict) -> tuple:

@@ -222,3 +222,16 @@ def test_ordered_document_ids_as_ranges():
         with pytest.raises(ValueError, match="non-decreasing"):
             kernelgen.packed_ranges(q, k)
         assert ordered_ranges(q, k) is None
+
+
+def test_document_kernel_finds_its_ranges():
+    """AttentionKernel._ordered_ranges, what create_block_mask keeps and tune() tunes on:
+    flash_attn_document's ids in order as their key ranges, None out of order and for any other
+    spec."""
+    doc_q = torch.tensor([[0, 0, 1, 1, 2], [0, 1, 1, 1, 1]], dtype=torch.int32)
+    document = kernelgen.load("flash_attn_document", head_dim=64, dtype="bf16")
+    got = document._ordered_ranges({"doc_q": doc_q, "doc_k": doc_q})
+    assert torch.equal(mask_of(*got, 5), doc_q[:, :, None] == doc_q[:, None, :])
+    assert document._ordered_ranges({"doc_q": doc_q.flip(1), "doc_k": doc_q}) is None
+    window = kernelgen.load("flash_attn_window", head_dim=64, dtype="bf16")
+    assert window._ordered_ranges({"window_left": 3, "window_right": 0}) is None

@@ -96,6 +96,35 @@ def test_document_forward_on_the_mma_sync_family_tunes():
     _tuned(load_spec("flash_attn_document"), {"doc_q": docs, "doc_k": docs})
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Hopper family needs compute capability 9.0")
+def test_document_kernel_with_ordered_ids_tunes_the_forward_it_runs(monkeypatch):
+    """flash_attn_document's tune() with ids packed in order tunes flash_attn_packed's Hopper
+    forward on their ranges, the kernel a call with create_block_mask's mask runs (PERF_NOTES
+    §103), and that call then looks the tuned config up."""
+    import kernelgen
+
+    whole = tune.prune   # a few configs (see _few)
+    monkeypatch.setattr(tune, "prune", lambda spec, variant, limits, configs=None: whole(
+        spec, variant, limits, _few(spec, variant) if configs is None else configs))
+    kernel = kernelgen.load("flash_attn_document", **PARAMS)
+    docs = _documents(PROBLEM.batch, PROBLEM.seqlen_q)
+    q, k, v = (torch.randn(PROBLEM.batch, PROBLEM.seqlen_q, h, PARAMS["head_dim"], device="cuda",
+                           dtype=torch.bfloat16) for h in (PROBLEM.heads, PROBLEM.heads_k,
+                                                           PROBLEM.heads_k))
+    (result,) = kernel.tune(q, k, v, backward=False, doc_q=docs, doc_k=docs)
+    assert result.spec == "flash_attn_packed__flash_attn_fwd_sm90" and result.chosen is not None
+    spec = load_spec("flash_attn_packed", onto="flash_attn_fwd_sm90")
+    assert tune.resolve(spec, result.variant, PROBLEM, 0).config == result.chosen.config
+    mask = kernel.create_block_mask(PROBLEM.batch, PROBLEM.heads, PROBLEM.seqlen_q,
+                                    PROBLEM.seqlen_k, doc_q=docs, doc_k=docs)
+    out = kernel(q, k, v, doc_q=docs, doc_k=docs, block_mask=mask)
+    same = (docs[:, :, None] == docs[:, None, :])[:, None]
+    ref, _ = attention_ref(q, k, v, mask_mod=lambda *_: same)
+    low, _ = attention_ref(q, k, v, mask_mod=lambda *_: same, upcast=False)
+    assert max_error(out, ref) <= 2 * max_error(low, ref) + rounding_allowance(ref)
+
+
 def test_window_backward_tunes():
     spec = load_spec("flash_attn_window", onto="flash_attn_bwd")
     result = _tuned(spec, {"window_left": 100, "window_right": 20})
