@@ -58,8 +58,8 @@ class AttentionKernel:
         as block_mask= to every call of that problem. mask_args: the spec's mod arguments.
         flash_attn_document's with ids packed in order (non-decreasing along each sequence; one
         host sync to tell) also keeps them as key ranges: its Hopper forward then runs
-        flash_attn_packed's kernel, +10-17% at hd128 4k (PERF_NOTES §103), and its backward
-        still the block mask's."""
+        flash_attn_packed's kernel (+6-16% at hd128 4k, +26% at hd64: PERF_NOTES §103), and
+        its backward still the block mask's."""
         if not self.spec.mods.block_sparse:
             raise TypeError(f"{self.spec.name} has no mods.block_sparse: true, so its kernels "
                             "take no block mask")

@@ -4,8 +4,9 @@
              kernelgen.load("flash_attn_document", ...) called with per-token document ids and
              its BlockMask (kernel.create_block_mask), built once per case outside the timed
              region as flex's is (the ids are in order, so the mask keeps them as key ranges
-             and the forward runs on those: PERF_NOTES §103); packed: the same documents given to flash_attn_packed as
-             per-token key ranges (kernelgen.packed_ranges, built once outside the timing);
+             and the forward runs on those: PERF_NOTES §103); packed: the same documents given
+             to flash_attn_packed as per-token key ranges (kernelgen.packed_ranges, built once
+             outside the timing);
              varlen: the same documents as FlashAttention's varlen call
              (kernelgen.flash_attn_varlen_func, the batch flattened, one offset per document)
   plain      kernelgen's unmodified kernel (flash_attn_func) on the same shape and causal mode

@@ -13,10 +13,10 @@ sequence, which the kernel uses as an exact kv range: no block mask, no id loads
     out = attn(q, k, v, doc_start=start, doc_end=end)
     out = kernelgen.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=True)
 
-A varlen call's gradients (full attention) on the Hopper backward take flash_attn_document's kernel instead
-(_document_route): its sequences are documents, their indices per token the ids, and a block
-mask built once per offsets tensor lists each KV tile's query tiles, where the kv-range kernel
-searches for them per KV tile (PERF_NOTES §102).
+A varlen call's gradients (full attention) on the Hopper backward take flash_attn_document's
+kernel instead (_document_route): its sequences are documents, their indices per token the ids,
+and a block mask built once per offsets tensor lists each KV tile's query tiles, where the
+kv-range kernel searches for them per KV tile (PERF_NOTES §102).
 """
 from __future__ import annotations
 
@@ -65,13 +65,12 @@ def packed_ranges(doc_q: torch.Tensor, doc_k: torch.Tensor | None = None
 
 def ordered_ranges(doc_q: torch.Tensor, doc_k: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """packed_ranges of flash_attn_document's ids (checked by its kernel already) where both are
-    non-decreasing along each sequence, else None (one host sync): what its create_block_mask
-    keeps in the mask, so that the forward runs on the ranges (attention.AttentionKernel)."""
-    if doc_q.shape[1] < 2**31 and doc_k.shape[1] < 2**31 and not torch.stack(
-            [(ids[:, 1:] < ids[:, :-1]).any() for ids in (doc_q, doc_k)]).any().item():
-        return _ranges(doc_q, doc_k)
-    return None
+    """packed_ranges of flash_attn_document's ids (already checked as its mod arguments) where
+    both are non-decreasing along each sequence, else None (one host sync): what its
+    create_block_mask keeps in the mask, so that the forward runs on the ranges
+    (attention.AttentionKernel)."""
+    unordered = torch.stack([(ids[:, 1:] < ids[:, :-1]).any() for ids in (doc_q, doc_k)])
+    return None if unordered.any().item() else _ranges(doc_q, doc_k)
 
 
 def _ranges(doc_q: torch.Tensor, doc_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,7 +221,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     ranges = {"doc_start": start.to(q.device), "doc_end": end.to(q.device)}
     wants_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     route = None
-    if wants_grad and not deterministic and not causal and ops.window_bounds(window_size) == (-1, -1):
+    if wants_grad and not (deterministic or causal) and ops.window_bounds(window_size) == (-1, -1):
         route = _document_route(remembered, cu_seqlens_q, cu_seqlens_k, q4, k4)
     if route is None:
         got = packed(q4, k4, v4, softmax_scale=softmax_scale, return_lse=True,
@@ -240,8 +239,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
 @dataclass(frozen=True)
 class _Route:
     """The document kernel whose backward gives a varlen call's gradients: flash_attn_document
-    (full attention) over the call's sequences (each token's sequence index its document id, ids_q / ids_k
-    (1, total) int32) and the block mask of those ids, built once per offsets and kept with them."""
+    (full attention) over the call's sequences (each token's sequence index its document id,
+    ids_q / ids_k (1, total) int32) and the block mask of those ids, built once per offsets and
+    kept with them."""
     kernel: object   # attention.AttentionKernel
     ids_q: torch.Tensor
     ids_k: torch.Tensor
@@ -251,7 +251,7 @@ class _Route:
 def _document_route(remembered: dict, cu_q, cu_k, q4, k4) -> _Route | None:
     """The route for a varlen call whose gradients are wanted (full attention, no window, not
     deterministic), or None: taken where both kernels' backwards run on the Hopper family, which
-    is where it was measured (PERF_NOTES §102: +14% at hd128 4k). The same pairs are visible
+    is where it was measured (PERF_NOTES §102: +15% at hd128 4k). The same pairs are visible
     either way (query i sees key j when both are in one sequence), but the kv-range backward finds
     each KV tile's query tiles by testing every query tile of the flattened batch (a few hundred,
     32 a round), where the block mask lists them, and launches its KV tiles shortest last
@@ -283,7 +283,8 @@ def sequence_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     flash_attn_document's per-token document ids."""
     cu = cu_seqlens.to(torch.int64)
     tokens = torch.arange(total, device=cu.device)
-    return torch.searchsorted(cu[1:], tokens, right=True).to(torch.int32).view(1, total).contiguous()
+    ids = torch.searchsorted(cu[1:], tokens, right=True)
+    return ids.to(torch.int32).view(1, total).contiguous()
 
 
 class _DocumentGradients(torch.autograd.Function):
