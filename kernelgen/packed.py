@@ -199,8 +199,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             raise ValueError(f"flash_attn_varlen_func: {name} must be a (total_tokens, heads, "
                              f"head_dim) tensor, got {_describe(x)}")
-    found, remembered = _varlen_remembered(cu_seqlens_q, cu_seqlens_k, bool(causal),
-                                           ops.window_bounds(window_size))
+    window = ops.window_bounds(window_size)
+    found, remembered = _varlen_remembered(cu_seqlens_q, cu_seqlens_k, bool(causal), window)
     start, end, total_q, total_k, longest_q, longest_k, kernel_causal = found
     for name, x, total, longest, bound in (("q", q, total_q, longest_q, max_seqlen_q),
                                            ("k", k, total_k, longest_k, max_seqlen_k)):
@@ -217,20 +217,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
 
     q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)   # a batch of one
     ops._check_inputs(q4, k4, v4)
-    packed = builtin_kernel("flash_attn_packed", q4, causal=kernel_causal)
     ranges = {"doc_start": start.to(q.device), "doc_end": end.to(q.device)}
     wants_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     route = None
-    if wants_grad and not (deterministic or causal) and ops.window_bounds(window_size) == (-1, -1):
+    if wants_grad and not (deterministic or causal) and window == (-1, -1):
         route = _document_route(remembered, cu_seqlens_q, cu_seqlens_k, q4, k4)
     if route is None:
-        got = packed(q4, k4, v4, softmax_scale=softmax_scale, return_lse=True,
-                     deterministic=deterministic, **ranges)
-    else:
-        values = packed._mod_values(ranges, q.device, {"batch": 1, "heads": q.shape[1],
-                                                       "seqlen_q": total_q, "seqlen_k": total_k})
-        got = _DocumentGradients.apply(packed, route, ops._scale(q4, softmax_scale), q4, k4, v4,
-                                       *values)
+        got = builtin_kernel("flash_attn_packed", q4, causal=kernel_causal)(
+            q4, k4, v4, softmax_scale=softmax_scale, return_lse=True,
+            deterministic=deterministic, **ranges)
+    else:   # the mask's ranges are these: its forward runs flash_attn_packed's kernel on them
+        got = route.kernel(q4, k4, v4, softmax_scale=softmax_scale, return_lse=True,
+                           doc_q=route.ids_q, doc_k=route.ids_k, block_mask=route.mask)
     if return_lse:
         return got[0].squeeze(0), got[1].squeeze(0)
     return got[0].squeeze(0)
@@ -238,10 +236,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
 
 @dataclass(frozen=True)
 class _Route:
-    """The document kernel whose backward gives a varlen call's gradients: flash_attn_document
-    (full attention) over the call's sequences (each token's sequence index its document id,
-    ids_q / ids_k (1, total) int32) and the block mask of those ids, built once per offsets and
-    kept with them."""
+    """flash_attn_document (full attention) over a varlen call's sequences: each token's sequence
+    index its document id (ids_q / ids_k, (1, total) int32) and the block mask of those ids,
+    built once per offsets and kept with them. The ids are in order, so the mask holds their key
+    ranges (which are the call's) and the kernel's forward runs flash_attn_packed's kernel on
+    them (PERF_NOTES §103); its backward is the block mask's."""
     kernel: object   # attention.AttentionKernel
     ids_q: torch.Tensor
     ids_k: torch.Tensor
@@ -250,31 +249,31 @@ class _Route:
 
 def _document_route(remembered: dict, cu_q, cu_k, q4, k4) -> _Route | None:
     """The route for a varlen call whose gradients are wanted (full attention, no window, not
-    deterministic), or None: taken where both kernels' backwards run on the Hopper family, which
-    is where it was measured (PERF_NOTES §102: +15% at hd128 4k). The same pairs are visible
-    either way (query i sees key j when both are in one sequence), but the kv-range backward finds
-    each KV tile's query tiles by testing every query tile of the flattened batch (a few hundred,
-    32 a round), where the block mask lists them, and launches its KV tiles shortest last
-    (BlockMask.tile_order). Not causal: the document kernel's causal grid, in position order over
-    the one flattened sequence, measured 16% slower than the kv-range kernel there."""
+    deterministic), or None: taken where the document kernel's backward runs on the Hopper
+    family, which is where it was measured (PERF_NOTES §102: +15% at hd128 4k). The same pairs
+    are visible either way (query i sees key j when both are in one sequence), but the kv-range
+    backward finds each KV tile's query tiles by testing every query tile of the flattened batch
+    (a few hundred, 32 a round), where the block mask lists them, and launches its KV tiles
+    shortest last (BlockMask.tile_order). Not causal: the document kernel's causal grid, in
+    position order over the one flattened sequence, measured 16% slower than the kv-range
+    kernel there. The verdict is kept with the offsets too."""
     from kernelgen import backward_sm90
     from kernelgen.attention import builtin_kernel
 
-    document = builtin_kernel("flash_attn_document", q4, causal=False)
-    packed = builtin_kernel("flash_attn_packed", q4, causal=False)
-    head_dim, device, total_k = q4.shape[-1], q4.device.index, k4.shape[1]
-    if not all(backward_sm90.applies(head_dim, device, False, total_k, kernel.spec, kernel.params)
-               for kernel in (document, packed)):
-        return None
-    key = (head_dim, ops._DTYPES[q4.dtype])
-    route = remembered.get(key)
-    if route is None:
-        cu_k = cu_q if cu_k is None else cu_k
-        ids_q, ids_k = sequence_ids(cu_q, q4.shape[1]), sequence_ids(cu_k, total_k)
-        mask = document.create_block_mask(1, q4.shape[2], q4.shape[1], total_k, doc_q=ids_q,
-                                          doc_k=ids_k)
-        route = remembered[key] = _Route(document, ids_q, ids_k, mask)
-    return route
+    key = (q4.shape[-1], ops._DTYPES[q4.dtype], q4.device)
+    if key not in remembered:
+        document = builtin_kernel("flash_attn_document", q4, causal=False)
+        route = None
+        if backward_sm90.applies(q4.shape[-1], q4.device.index, False, k4.shape[1],
+                                 document.spec, document.params):
+            cu_k = cu_q if cu_k is None else cu_k
+            ids_q = sequence_ids(cu_q.to(q4.device), q4.shape[1])
+            ids_k = sequence_ids(cu_k.to(q4.device), k4.shape[1])
+            mask = document.create_block_mask(1, q4.shape[2], q4.shape[1], k4.shape[1],
+                                              doc_q=ids_q, doc_k=ids_k)
+            route = _Route(document, ids_q, ids_k, mask)
+        remembered[key] = route
+    return remembered[key]
 
 
 def sequence_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -285,32 +284,6 @@ def sequence_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     tokens = torch.arange(total, device=cu.device)
     ids = torch.searchsorted(cu[1:], tokens, right=True)
     return ids.to(torch.int32).view(1, total).contiguous()
-
-
-class _DocumentGradients(torch.autograd.Function):
-    """flash_attn_packed's forward on a varlen call's ranges, and as its backward that of the
-    route's document kernel (backward.flash_attn_backward with its mods and block mask): the same
-    attention, so the forward's out and lse are what that backward needs."""
-
-    @staticmethod
-    def forward(ctx, packed, route: _Route, scale: float, q, k, v, start, end):
-        out, lse = packed.forward(q, k, v, scale, (start, end))
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.route, ctx.scale = route, scale
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        from kernelgen import backward
-
-        q, k, v, out, lse = ctx.saved_tensors
-        kernel = ctx.route.kernel
-        mods = backward.ModArgs(kernel.spec, kernel.variant.params,
-                                (ctx.route.ids_q, ctx.route.ids_k), ctx.route.mask)
-        dq, dk, dv = backward.flash_attn_backward(dout, q, k, v, out, lse, False, ctx.scale,
-                                                  mods=mods)
-        return None, None, None, dq, dk, dv, None, None
 
 
 def _describe(value) -> str:
