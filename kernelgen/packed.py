@@ -220,8 +220,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     ranges = {"doc_start": start.to(q.device), "doc_end": end.to(q.device)}
     wants_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     route = None
-    if wants_grad and not (deterministic or causal) and window == (-1, -1):
-        route = _document_route(remembered, cu_seqlens_q, cu_seqlens_k, q4, k4)
+    if wants_grad and not deterministic and window == (-1, -1) and (kernel_causal or not causal):
+        route = _document_route(remembered, cu_seqlens_q, cu_seqlens_k, q4, k4, kernel_causal)
     if route is None:
         got = builtin_kernel("flash_attn_packed", q4, causal=kernel_causal)(
             q4, k4, v4, softmax_scale=softmax_scale, return_lse=True,
@@ -247,22 +247,22 @@ class _Route:
     mask: object     # blockmask.BlockMask
 
 
-def _document_route(remembered: dict, cu_q, cu_k, q4, k4) -> _Route | None:
-    """The route for a varlen call whose gradients are wanted (full attention, no window, not
-    deterministic), or None: taken where the document kernel's backward runs on the Hopper
-    family, which is where it was measured (PERF_NOTES §102: +15% at hd128 4k). The same pairs
-    are visible either way (query i sees key j when both are in one sequence), but the kv-range
-    backward finds each KV tile's query tiles by testing every query tile of the flattened batch
-    (a few hundred, 32 a round), where the block mask lists them, and launches its KV tiles
-    shortest last (BlockMask.tile_order). Not causal: the document kernel's causal grid, in
-    position order over the one flattened sequence, measured 16% slower than the kv-range
-    kernel there. The verdict is kept with the offsets too."""
+def _document_route(remembered: dict, cu_q, cu_k, q4, k4, causal: bool) -> _Route | None:
+    """The route for a varlen call whose gradients are wanted (no window, not deterministic; causal
+    only as the kernel's own mask, queries and keys at the same offsets), or None: taken where
+    the document kernel's backward runs on the Hopper family, which is where it was measured
+    (PERF_NOTES §102, §104: +15% full, +11% causal at hd128 4k). The same pairs are visible
+    either way (query i sees key j when both are in one sequence, and j <= i when causal), but
+    the kv-range backward finds each KV tile's query tiles by testing every query tile of the
+    flattened batch (a few hundred, 32 a round), where the block mask lists them (and, full,
+    launches its KV tiles shortest last: BlockMask.tile_order). The verdict is kept with the
+    offsets too (whose entry is per causal already)."""
     from kernelgen import backward_sm90
     from kernelgen.attention import builtin_kernel
 
     key = (q4.shape[-1], ops._DTYPES[q4.dtype], q4.device)
     if key not in remembered:
-        document = builtin_kernel("flash_attn_document", q4, causal=False)
+        document = builtin_kernel("flash_attn_document", q4, causal=causal)
         route = None
         if backward_sm90.applies(q4.shape[-1], q4.device.index, False, k4.shape[1],
                                  document.spec, document.params):

@@ -181,8 +181,9 @@ def test_varlen_func(main_kernel, case, causal, window):
     for queries and keys, GQA, rows that see nothing; or the same offsets, causal: the packed
     kernel's causal variant), and which backward ran them (packed._document_route): on the
     Hopper family flash_attn_document's over the sequences (its block mask kept with the
-    offsets) for full attention; causal, a window's folded ranges and the mma.sync family keep
-    the kv-range kernel's."""
+    offsets) for full attention and causal at the same offsets; causal at other offsets (folded
+    into the ranges), a window's folded ranges and the mma.sync family keep the kv-range
+    kernel's."""
     from kernelgen import packed
 
     if case == "causal_same_offsets":
@@ -202,11 +203,11 @@ def test_varlen_func(main_kernel, case, causal, window):
     kept = [entry[4] for entry in packed._REMEMBERED.values() if entry[0] is cu_q]
     assert len(kept) == 1
     routes = [route for route in kept[0].values() if route is not None]
-    routed = main_kernel == "sm90" and case == "full"
+    routed = main_kernel == "sm90" and case in ("full", "causal_same_offsets")
     assert bool(routes) == routed, (case, main_kernel, kept[0])
     if routed:
         (route,) = routes
-        assert route.kernel.spec.name == "flash_attn_document" and not route.mask.causal
+        assert route.kernel.spec.name == "flash_attn_document" and route.mask.causal == causal
         assert route.mask.ranges is not None   # so its forward runs flash_attn_packed's kernel
 
 
