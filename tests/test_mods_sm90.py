@@ -216,7 +216,7 @@ def test_forward_sm90_launches_the_hopper_kernel_with_the_mod_args_last(no_gpu):
     assert kernel.spec.name == "flash_attn_document__flash_attn_fwd_sm90"
     defaults = {"q_buffers": 1, "sum_mma": 0, "rescale": 0, "q_split": 0, "cluster": 1,
                 "kv_align": 0, "grid_order": 0, "half_diag": 0, "carry_qk": 0, "q_prefetch": 0,
-                "pv_wait": 0, "wg_skip": 0, "ex2_emu": 0}
+                "pv_wait": 0, "wg_skip": 0}
     assert kernel.config.as_dict() == {**config, **defaults} and not problems   # explicit: no lookup
     assert grid == (5, 1, 1)   # persistent: min(3 query tiles * 4 heads * 2, sm_count)
     names = [a.name for a in kernel.spec.args]
