@@ -143,14 +143,6 @@ CONFIGS = [
            "pv_wait": 1}),
     (128, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 1, "persistent": 2, "q_buffers": 2,
            "carry_qk": 1, "pv_wait": 1}),
-    # ex2_emu (a share of the softmax's exp2 by polynomial; masked scores must still give P = 0):
-    # 3 consumers with the row sums by wgmma, a CTA per tile, dynamic with two Q buffers, 64B
-    # swizzle.
-    (64, {"block_m": 192, "block_n": 96, "stages": 3, "schedule": 2, "persistent": 0, "sum_mma": 1,
-          "ex2_emu": 2}),
-    (128, {"block_m": 128, "block_n": 160, "stages": 2, "schedule": 2, "persistent": 2,
-           "q_buffers": 2, "ex2_emu": 1}),
-    (96, {"block_m": 128, "block_n": 128, "stages": 2, "schedule": 2, "persistent": 0, "ex2_emu": 3}),
 ]
 # carry_qk with half_diag (causal only): the carried S is the whole diagonal block's.
 CAUSAL_CONFIGS = [
