@@ -1,5 +1,5 @@
 // Generated from specs/flash_attn_fwd_sm90.yaml by `kernelgen render --generated`; do not edit.
-// flash_attn_fwd_sm90__head_dim256_dtypebf16_causal1__sm_90a__block_m128_block_n80_stages2_schedule1_persistent0_q_buffers1_sum_mma0_rescale1_q_split0_cluster1_kv_align0_grid_order0_half_diag0_carry_qk0_q_prefetch0_pv_wait0_wg_skip0_ex2_emu0
+// flash_attn_fwd_sm90__head_dim256_dtypebf16_causal1__sm_90a__block_m128_block_n80_stages2_schedule1_persistent0_q_buffers1_sum_mma0_rescale1_q_split0_cluster1_kv_align0_grid_order0_half_diag0_carry_qk0_q_prefetch0_pv_wait0_wg_skip0
 // flash_attn_fwd_sm90: exact attention forward for Hopper, TMA + mbarriers + wgmma (kernelgen/flash_fwd_sm90.cuh).
 //   O[b, i, h, :] = sum_j softmax_j(scale * Q[b, i, h, :] . K[b, j, h / (heads / heads_k), :]) V[b, j, ...]
 //   LSE[b, h, i]  = logsumexp_j(scale * Q[b, i, h, :] . K[b, j, ...])      (natural log, fp32)
@@ -10,7 +10,7 @@
 // A spec's mods (score_mod, mask_mod, kv_range; their arguments follow the tensor maps) are
 // applied as in the sm80 family; without mods the Mods struct below switches everything off.
 // Variant: head_dim=256 dtype=bf16 causal=true arch=sm_90a
-// Config:  block_m=128 block_n=80 stages=2 schedule=1 persistent=0 q_buffers=1 sum_mma=0 rescale=1 q_split=0 cluster=1 kv_align=0 grid_order=0 half_diag=0 carry_qk=0 q_prefetch=0 pv_wait=0 wg_skip=0 ex2_emu=0
+// Config:  block_m=128 block_n=80 stages=2 schedule=1 persistent=0 q_buffers=1 sum_mma=0 rescale=1 q_split=0 cluster=1 kv_align=0 grid_order=0 half_diag=0 carry_qk=0 q_prefetch=0 pv_wait=0 wg_skip=0
 #include "kernelgen/flash_fwd_sm90.cuh"
 
 using elem_t = kg::bf16_t;
@@ -114,7 +114,7 @@ using Config = kg::Sm90Config<elem_t, /*HEAD_DIM=*/256, /*BLOCK_M=*/128,
                               /*GRID_ORDER=*/0,
                               /*HALF_DIAG=*/0, /*CARRY_QK=*/0,
                               /*Q_PREFETCH=*/0, /*PV_WAIT=*/0,
-                              /*WG_SKIP=*/0, /*EX2_EMU=*/0,
+                              /*WG_SKIP=*/0,
                               QkGemm, QkGemmHalf, PvGemm>;
 static_assert(Config::kSmemBytes == 230480, "spec's smem formula disagrees with the kernel");
 static_assert(Config::kThreads == 384, "spec's thread count disagrees with the kernel");

@@ -26,7 +26,7 @@ struct Pick<false> {
 template <class Elem_, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool CAUSAL,
           int SCHEDULE, int PERSISTENT, int Q_BUFFERS, int SUM_MMA, int RESCALE, int Q_SPLIT,
           int CLUSTER, int KV_ALIGN, int GRID_ORDER, int HALF_DIAG, int CARRY_QK, int Q_PREFETCH,
-          int PV_WAIT, int WG_SKIP, int EX2_EMU,
+          int PV_WAIT, int WG_SKIP,
           class QkGemm_, class QkGemmHalf_, class PvGemm_>
 struct Sm90Config {
     using Elem = Elem_;
@@ -88,11 +88,6 @@ struct Sm90Config {
     // blockmask.py group_for_warpgroups): each warpgroup skips the blocks its 64 rows do not see,
     // one warpgroup's first in the tile's visiting order, the other's last (skipped_blocks).
     static constexpr bool kWgSkip = WG_SKIP == 1;
-    // EX2_EMU k: of every four 8-column groups of a block's scores, the first k take their
-    // exponentials from exp2_poly (FMA and integer pipes) instead of MUFU.EX2, so that a softmax
-    // bound by the MUFU's 16 results a clock per SM (head dim 64; softcap's MUFU.TANH beside it)
-    // shares the work with the pipes that idle (softmax_step). 0: all on the MUFU.
-    static constexpr int kEx2Emu = EX2_EMU;
     static constexpr int kConsumers = BLOCK_M / 64;          // one warpgroup per 64 query rows
     static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
     // Per-thread register budgets after setmaxnreg (FA3's: 24/240 for 2 consumers, 32/160 for 3).
@@ -135,7 +130,6 @@ struct Sm90Config {
     static_assert(!kQPrefetch || (PERSISTENT && Q_BUFFERS == 1),
                   "q_prefetch: a persistent CTA's next tile, whose Q loads after the epilogue");
     static_assert(!kPvWait || SCHEDULE > 0, "pv_wait: a P V in flight during the softmax");
-    static_assert(EX2_EMU >= 0 && EX2_EMU <= 3, "ex2_emu: 0-3 of every four column groups");
     static_assert(!kWgSkip || BLOCK_M == 128, "wg_skip: the lists' groups are of two 64-row halves");
     static_assert(CLUSTER == 1 || (CLUSTER == 2 && !PERSISTENT && !CAUSAL && kPanels % 2 == 0),
                   "a cluster's CTAs share the KV blocks of a CTA per tile, non-causal, by panels");

@@ -66,10 +66,7 @@ __device__ __forceinline__ void softmax_step(float (&acc_s)[C::kBlockN / 2], flo
             #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 float& x = acc_s[4 * i + 2 * h + j];
-                // ex2_emu: groups i % 4 < k on the FMA pipe, spread through the row so that
-                // the MUFU and the FMA pipe work side by side (kEx2Emu)
-                x = i % 4 < C::kEx2Emu ? exp2_poly(fmaf(x, scale_log2, offset))
-                                       : exp2_approx(fmaf(x, scale_log2, offset));
+                x = exp2_approx(fmaf(x, scale_log2, offset));
                 if constexpr (!C::kSumMma) sum += x;  // else the P V wgmma sums P
             }
         if constexpr (!C::kSumMma)

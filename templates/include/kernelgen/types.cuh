@@ -36,22 +36,6 @@ __device__ __forceinline__ float exp2_approx(float x) {
     return y;
 }
 
-// 2^x for x <= 0 without the MUFU (FA4's offload of part of the softmax's exponentials to the
-// FMA and integer pipes, which idle while MUFU.EX2 bounds a softmax: head dim 64, softcap's
-// tanh beside it): x = j + f, j = round(x) (read from the low bits of x + 1.5 * 2^23), 2^f for
-// |f| <= 1/2 by a degree-3 polynomial (relative error 1.0e-4, below bf16's 2^-9 and fp16's
-// 2^-11 rounding of P; p(0) = 1 exactly), j added to its exponent bits. x clamps at -127, whose
-// j cancels 1.0's exponent: -inf (masked scores) gives exactly 0, as ex2.approx does. Eight
-// instructions where exp2_approx is one MUFU op, which issues at 16 a clock per SM to the
-// FMA pipe's 128 (PERF_NOTES §105).
-__device__ __forceinline__ float exp2_poly(float x) {
-    x = fmaxf(x, -127.f);
-    const float t = x + 12582912.f;  // 1.5 * 2^23: rounds x to an integer in t's low bits
-    const float f = x - (t - 12582912.f);
-    const float p = fmaf(fmaf(fmaf(0.05500858277f, f, 0.24221037328f), f, 0.69328290224f), f, 1.f);
-    return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-}
-
 __device__ __forceinline__ float log2_approx(float x) {
     float y;
     asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
