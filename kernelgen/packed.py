@@ -13,10 +13,10 @@ sequence, which the kernel uses as an exact kv range: no block mask, no id loads
     out = attn(q, k, v, doc_start=start, doc_end=end)
     out = kernelgen.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=True)
 
-A varlen call's gradients (full attention) on the Hopper backward take flash_attn_document's
-kernel instead (_document_route): its sequences are documents, their indices per token the ids,
-and a block mask built once per offsets tensor lists each KV tile's query tiles, where the
-kv-range kernel searches for them per KV tile (PERF_NOTES §102).
+A varlen call's gradients (full, or causal at the same offsets) on the Hopper backward take
+flash_attn_document's kernel instead (_document_route): its sequences are documents, their
+indices per token the ids, and a block mask built once per offsets tensor lists each KV tile's
+query tiles, where the kv-range kernel searches for them per KV tile (PERF_NOTES §102, §104).
 """
 from __future__ import annotations
 
