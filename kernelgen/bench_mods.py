@@ -8,7 +8,8 @@
              to flash_attn_packed as per-token key ranges (kernelgen.packed_ranges, built once
              outside the timing);
              varlen: the same documents as FlashAttention's varlen call
-             (kernelgen.flash_attn_varlen_func, the batch flattened, one offset per document)
+             (kernelgen.flash_attn_varlen_func, the batch flattened, one offset per document);
+             varlen_window: that call with a sliding window inside each document
   plain      kernelgen's unmodified kernel (flash_attn_func) on the same shape and causal mode
   flex       FlexAttention with the same modification: window and documents as BlockMasks, built
              once per case outside the timed region; softcap and ALiBi as score_mods (with the
@@ -19,7 +20,8 @@ The modifications: window (1024, 1024) when non-causal (a symmetric local window
 when causal (Mistral's sliding window; the causal mask already bounds the right side); softcap
 30 (Gemma 2); ALiBi with the paper's slopes 2^(-8 (h + 1) / heads); documents: seqlen / 1024
 documents per sequence (at least 2) of random lengths (cut points from a fixed seed, different
-for each batch element) packed back to back, causal within a document when causal.
+for each batch element) packed back to back, causal within a document when causal;
+varlen_window: those documents with a window of (256, 256), causal (256, 0), within each.
 
 TFLOP/s count only visible work: 4 * head_dim * heads * visible (q, kv) pairs, summed over the
 batch and counted exactly (closed forms; tests/test_bench.py checks them against dense masks).
@@ -42,8 +44,9 @@ import torch
 from kernelgen.bench import (causal_block_mask, flex_bshd, measure_each, record_error,
                              time_pass)
 
-MODS = ("window", "softcap", "alibi", "document", "packed", "varlen")
+MODS = ("window", "softcap", "alibi", "document", "packed", "varlen", "varlen_window")
 WINDOW = {False: (1024, 1024), True: (1024, 0)}  # by causal
+VARLEN_WINDOW = {False: (256, 256), True: (256, 0)}  # by causal; inside documents of ~1024
 SOFTCAP = 30.0
 HIDDEN = 2048  # heads = HIDDEN / head_dim, as in the grid
 GOALS = {"kernelgen/plain": 0.90, "kernelgen/flex": 1.5}
@@ -64,9 +67,13 @@ def window_pairs(seqlen_q: int, seqlen_k: int, left: int, right: int, causal: bo
     return int((hi.clamp(max=seqlen_k - 1) - lo + 1).clamp(min=0).sum())
 
 
-def document_pairs(lengths: list[list[int]], causal: bool) -> int:
+def document_pairs(lengths: list[list[int]], causal: bool,
+                   window: tuple[int, int] = (-1, -1)) -> int:
     """Pairs visible when each sequence packs documents of `lengths` back to back (queries and
-    keys alike) and a token sees only its own document (and, causal, no later token)."""
+    keys alike) and a token sees only its own document (and, causal, no later token; with
+    `window`, only keys in its window inside the document)."""
+    if window != (-1, -1):
+        return sum(window_pairs(n, n, *window, causal) for row in lengths for n in row)
     return sum(n * (n + 1) // 2 if causal else n * n for row in lengths for n in row)
 
 
@@ -147,7 +154,7 @@ def build_case(mod: str, causal: bool, batch: int, heads: int, seqlen: int, head
                device) -> Case:
     """Everything a case needs before timing: masks, slopes, document ids (on `device`)."""
     import kernelgen
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import and_masks, create_block_mask
 
     plain = batch * window_pairs(seqlen, seqlen, -1, -1, causal)
     causal_mask = causal_block_mask(seqlen, seqlen, device) if causal else None
@@ -171,22 +178,28 @@ def build_case(mod: str, causal: bool, batch: int, heads: int, seqlen: int, head
                     lambda q, k, v: kernelgen.flash_attn_func(q, k, v, causal=causal,
                                                               alibi_slopes=slopes),
                     alibi_score_mod(slopes, 0), causal_mask)
-    if mod in ("document", "packed", "varlen"):   # the same documents: ids, key ranges, offsets
+    if mod in ("document", "packed", "varlen", "varlen_window"):   # the same documents
         lengths = document_lengths(batch, seqlen, max(2, seqlen // 1024), seed=seqlen)
         ids = document_ids(lengths).to(device)
-        mask = create_block_mask(document_mask_mod(ids, causal), batch, None, seqlen, seqlen,
-                                 device=device)
-        pairs = document_pairs(lengths, causal)
-        if mod == "varlen":
+        window = VARLEN_WINDOW[causal] if mod == "varlen_window" else (-1, -1)
+        mask_mod = document_mask_mod(ids, causal)
+        if mod == "varlen_window":   # a token's window inside its document (same offsets)
+            mask_mod = and_masks(mask_mod, window_mask_mod(*window, 0, causal))
+        mask = create_block_mask(mask_mod, batch, None, seqlen, seqlen, device=device)
+        pairs = document_pairs(lengths, causal, window)
+        if mod in ("varlen", "varlen_window"):
             flat = [n for row in lengths for n in row]
             offsets = torch.tensor([0, *itertools.accumulate(flat)], dtype=torch.int32,
                                    device=device)
 
             def varlen(q, k, v):
                 q3, k3, v3 = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
-                return kernelgen.flash_attn_varlen_func(q3, k3, v3, offsets, offsets, max(flat),
-                                                        max(flat), causal=causal).view(q.shape)
-            return Case(mod, f"varlen(x{len(flat)})", causal, pairs, plain, varlen, None, mask)
+                return kernelgen.flash_attn_varlen_func(
+                    q3, k3, v3, offsets, offsets, max(flat), max(flat), causal=causal,
+                    window_size=window).view(q.shape)
+            label = f"varlen(x{len(flat)})" if mod == "varlen" else \
+                f"varlen(x{len(flat)},{window[0]},{window[1]})"
+            return Case(mod, label, causal, pairs, plain, varlen, None, mask)
         if mod == "packed":
             start, end = kernelgen.packed_ranges(ids)
             kernel = kernelgen.load("flash_attn_packed", head_dim=head_dim, dtype="bf16",

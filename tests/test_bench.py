@@ -81,6 +81,7 @@ def test_flex_versions_compute_the_modification(mod, causal, monkeypatch):
     from torch.nn.attention.flex_attention import flex_attention
 
     monkeypatch.setattr(bench_mods, "WINDOW", {False: (17, 9), True: (23, 0)})  # shorter than N
+    monkeypatch.setattr(bench_mods, "VARLEN_WINDOW", {False: (11, 6), True: (13, 0)})
     torch.manual_seed(0)
     batch, heads, seqlen, head_dim = 2, 4, 200, 64
     case = bench_mods.build_case(mod, causal, batch, heads, seqlen, head_dim, "cpu")
@@ -89,10 +90,14 @@ def test_flex_versions_compute_the_modification(mod, causal, monkeypatch):
         warnings.simplefilter("ignore")  # flex's "use torch.compile" warning
         got = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                              score_mod=case.score_mod, block_mask=case.block_mask).transpose(1, 2)
-    if mod in ("document", "packed", "varlen"):
+    if mod in ("document", "packed", "varlen", "varlen_window"):
         lengths = bench_mods.document_lengths(batch, seqlen, 2, seed=seqlen)
         ids = bench_mods.document_ids(lengths)
         score_mod, mask_mod = None, lambda b, h, i, j: (ids[:, None, :, None] == ids[:, None, None, :])
+        if mod == "varlen_window":   # the same offsets: a window in global indices is the document's
+            left, right = bench_mods.VARLEN_WINDOW[causal]
+            same = mask_mod
+            mask_mod = lambda b, h, i, j: same(b, h, i, j) & (j >= i - left) & (j <= i + right)
     else:
         score_mod, mask_mod = REFERENCE_MODS[mod](case)
     ref, _ = attention_ref(q, k, v, causal, score_mod=score_mod, mask_mod=mask_mod)
