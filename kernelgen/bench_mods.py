@@ -72,9 +72,7 @@ def document_pairs(lengths: list[list[int]], causal: bool,
     """Pairs visible when each sequence packs documents of `lengths` back to back (queries and
     keys alike) and a token sees only its own document (and, causal, no later token; with
     `window`, only keys in its window inside the document)."""
-    if window != (-1, -1):
-        return sum(window_pairs(n, n, *window, causal) for row in lengths for n in row)
-    return sum(n * (n + 1) // 2 if causal else n * n for row in lengths for n in row)
+    return sum(window_pairs(n, n, *window, causal) for row in lengths for n in row)
 
 
 def masked_flops(visible_pairs: int, heads: int, head_dim: int) -> float:

@@ -217,7 +217,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
 
     q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)   # a batch of one
     ops._check_inputs(q4, k4, v4)
-    ranges = {"doc_start": start.to(q.device), "doc_end": end.to(q.device)}
     wants_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     route = None
     if wants_grad and not deterministic and window == (-1, -1) and (kernel_causal or not causal):
@@ -225,7 +224,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     if route is None:
         got = builtin_kernel("flash_attn_packed", q4, causal=kernel_causal)(
             q4, k4, v4, softmax_scale=softmax_scale, return_lse=True,
-            deterministic=deterministic, **ranges)
+            deterministic=deterministic, doc_start=start.to(q.device), doc_end=end.to(q.device))
     else:   # the mask's ranges are these: its forward runs flash_attn_packed's kernel on them
         got = route.kernel(q4, k4, v4, softmax_scale=softmax_scale, return_lse=True,
                            doc_q=route.ids_q, doc_k=route.ids_k, block_mask=route.mask)
@@ -236,11 +235,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
 
 @dataclass(frozen=True)
 class _Route:
-    """flash_attn_document (full attention) over a varlen call's sequences: each token's sequence
-    index its document id (ids_q / ids_k, (1, total) int32) and the block mask of those ids,
-    built once per offsets and kept with them. The ids are in order, so the mask holds their key
-    ranges (which are the call's) and the kernel's forward runs flash_attn_packed's kernel on
-    them (PERF_NOTES §103); its backward is the block mask's."""
+    """flash_attn_document (full, or causal at equal offsets) over a varlen call's sequences: each
+    token's sequence index its document id (ids_q / ids_k, (1, total) int32) and the block mask
+    of those ids, built once per offsets and kept with them. The ids are in order, so the mask
+    holds their key ranges (which are the call's) and the kernel's forward runs
+    flash_attn_packed's kernel on them (PERF_NOTES §103); its backward is the block mask's."""
     kernel: object   # attention.AttentionKernel
     ids_q: torch.Tensor
     ids_k: torch.Tensor
