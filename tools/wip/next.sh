@@ -231,5 +231,19 @@ case $1 in
          done
          PYTHONPATH=. timeout 200 python3 -m kernelgen.cli bench --pass fwd --head-dims 128 64 256 \
            --systems kernelgen sdpa_cudnn --out "$OUT/grid" > "$OUT/grid.txt" 2>&1; tail -30 "$OUT/grid.txt" ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40"; exit 2 ;;
+  s40h) # the H200's first call: the whole GPU suite, then the modifier bench both ways
+         STEPS=all T_all=330 bash tools/h200_run.sh 2>&1 | tail -8
+         for pass in fwd bwd; do
+           PYTHONPATH=. timeout 110 python3 -m kernelgen.cli bench --mods --pass $pass --seqlens 4096 \
+             --out "$OUT/mods_$pass" > "$OUT/mods_$pass.txt" 2>&1; tail -13 "$OUT/mods_$pass.txt"
+         done ;;
+  s40g) # the forward grid against cuDNN, then softcap's forward on pingpong tiles
+         nvidia-smi --query-gpu=name --format=csv,noheader
+         PYTHONPATH=. timeout 330 python3 -m kernelgen.cli bench --pass fwd --head-dims 128 64 256 \
+           --systems kernelgen sdpa_cudnn --out "$OUT/grid" > "$OUT/grid.txt" 2>&1; tail -40 "$OUT/grid.txt"
+         PYTHONPATH=. timeout 150 python3 tools/config_ab.py --mod softcap --head-dims 128 --seqlens 4096 \
+           --causal both --rounds 3 --alts '{"schedule": 2, "block_n": 160}' '{"schedule": 2}' \
+           '{"schedule": 2, "block_n": 176, "persistent": 0, "q_buffers": 1}' \
+           --export "$OUT/softcap.json" > "$OUT/softcap.txt" 2>&1; tail -8 "$OUT/softcap.txt" ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40|s40h|s40g"; exit 2 ;;
 esac
