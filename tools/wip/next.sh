@@ -245,5 +245,14 @@ case $1 in
            --causal both --rounds 3 --alts '{"schedule": 2, "block_n": 160}' '{"schedule": 2}' \
            '{"schedule": 2, "block_n": 176, "persistent": 0, "q_buffers": 1}' \
            --export "$OUT/softcap.json" > "$OUT/softcap.txt" 2>&1; tail -8 "$OUT/softcap.txt" ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40|s40h|s40g"; exit 2 ;;
+  s40p) # where packed's backward loses to document's on the same documents (0.73 / 0.79 of plain):
+         # main-kernel times, PC-sampled stalls of both, then the modifier backward bench
+         nvidia-smi --query-gpu=name --format=csv,noheader
+         for c in "" --causal; do kt . k$c --mods document packed varlen $c; done | tee "$OUT/kt.txt"
+         STEPS=ncusrc T_ncusrc=100 NCU_TOP=40 NCU_CASES="flash_attn_bwd_sm90@--backward --seqlen 4096 --mod packed;flash_attn_bwd_sm90@--backward --seqlen 4096 --mod document" \
+           bash tools/h200_run.sh > "$OUT/stalls.txt" 2>&1
+         grep -E "^---|instructions|by opcode|^ *[0-9.]+% +[0-9.]+% " "$OUT/stalls.txt" | head -60
+         PYTHONPATH=. timeout 110 python3 -m kernelgen.cli bench --mods --pass bwd --seqlens 4096 \
+           --out "$OUT/mods_bwd" > "$OUT/mods_bwd.txt" 2>&1; tail -16 "$OUT/mods_bwd.txt" ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40|s40h|s40g|s40p"; exit 2 ;;
 esac
