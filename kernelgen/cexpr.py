@@ -92,3 +92,45 @@ def _tokens(text: str, where: str):
         pos = match.end()
         if match.lastgroup != "space":
             yield match.lastgroup, match.group()
+
+
+def split_factor(expr: CExpr, varying) -> tuple[CExpr, CExpr] | None:
+    """expr as (factor, inner) with expr == factor * inner, where the factor reads none of the
+    `varying` names, or None: expr must be a product at its top level (every operator outside
+    parentheses and brackets a `*`), and some of its factors must read a varying name and some
+    not. softcap's `softcap * tanh_approx(qk * c)` gives (`softcap`, `tanh_approx(qk * c)`): the
+    Hopper forward multiplies the factor into its exp2's scale, once per tile, instead of into
+    every score (flash_fwd_sm90.cuh, kFold). Both keep expr's file and line."""
+    factors, start, depth = [], 0, 0
+    for match in _TOKEN.finditer(expr.text):
+        kind, value = match.lastgroup, match.group()
+        if kind != "op":
+            continue
+        if value in "([":
+            depth += 1
+        elif value in ")]":
+            depth -= 1
+        elif depth == 0:
+            if value != "*":
+                return None
+            factors.append(expr.text[start:match.start()].strip())
+            start = match.end()
+    factors.append(expr.text[start:].strip())
+    if len(factors) < 2 or not all(factors):
+        return None
+
+    def names(text: str) -> frozenset:
+        return frozenset(m.group() for m in _TOKEN.finditer(text)
+                         if m.lastgroup == "name") & expr.names
+
+    uniform = [f for f in factors if not names(f) & set(varying)]
+    rest = [f for f in factors if names(f) & set(varying)]
+    if not uniform or not rest:
+        return None
+
+    def part(texts: list[str]) -> CExpr:
+        text = " * ".join(f"({t})" for t in texts) if len(texts) > 1 else texts[0]
+        used = frozenset().union(*map(names, texts))
+        return CExpr(text, expr.file, expr.line, used, expr.subscripted & used,
+                     expr.unsubscripted & used)
+    return part(uniform), part(rest)

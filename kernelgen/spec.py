@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from kernelgen.cexpr import CExpr, CExprError, check_cexpr
+from kernelgen.cexpr import CExpr, CExprError, check_cexpr, split_factor
 from kernelgen.expr import RESERVED, Expr, ExprError, parse_expr
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -222,6 +222,17 @@ class Mods:
     @property
     def any(self) -> bool:
         return bool(self.score_mod or self.mask_mod or self.kv_range or self.block_sparse)
+
+    @property
+    def score_factor(self) -> tuple[CExpr, CExpr] | None:
+        """(factor, inner) of a bounded score_mod that is a product factor * inner whose factor
+        reads no score or index (softcap's `softcap * tanh_approx(...)`: the cap), else None. The
+        Hopper forward's bounded softmax, P = exp2(score_mod * log2e - B * log2e), then computes
+        only `inner` per score and takes the factor into the exp2's scale once per tile: one
+        multiply a score fewer (PERF_NOTES §106). The other kernels run score_mod as it is."""
+        if self.score_mod is None or self.score_bound is None:
+            return None
+        return split_factor(self.score_mod, ("score", "qk", "q_idx", "kv_idx"))
 
     @property
     def clamps_indices(self) -> bool:

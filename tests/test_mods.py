@@ -5,7 +5,7 @@ import textwrap
 import pytest
 
 from kernelgen import cache, render
-from kernelgen.cexpr import CExprError, check_cexpr
+from kernelgen.cexpr import CExprError, check_cexpr, split_factor
 from kernelgen.compile import CompileError
 from kernelgen.spec import REPO_ROOT, SpecError, load_spec
 
@@ -148,6 +148,46 @@ def test_softcap_bounds_its_scores_on_the_hopper_forward():
     text = render.render(softcap, variant, softcap.default_config(variant)).text
     assert "kScoreBound = true;" in text and "return (fabsf(softcap));" in text
     assert load_spec("flash_attn_alibi").mods.score_bound is None
+
+
+@pytest.mark.parametrize("text, split", [
+    ("softcap * tanh_approx(qk * (softmax_scale / softcap))",
+     ("softcap", "tanh_approx(qk * (softmax_scale / softcap))")),
+    ("tanhf(score / c) * c * 2.0f", ("(c) * (2.0f)", "tanhf(score / c)")),
+    ("caps[head] * tanhf(score)", ("caps[head]", "tanhf(score)")),
+    ("score", None),                      # no product
+    ("c * d", None),                      # no factor reads the score
+    ("slopes[q_idx] * score", None),      # every factor reads an index
+    ("-c * tanhf(score)", None),          # a top-level operator other than *
+    ("c * score + 1.0f", None),
+    ("q_idx > 3 ? c * score : score", None),
+])
+def test_split_factor(text, split):
+    """A score_mod's uniform factor: split only at a top-level product, and only off factors that
+    read no score or index (the Hopper forward takes them into its exp2's scale)."""
+    expr = check_cexpr(text, where="w", file="f.yaml", line=3,
+                       names={"score", "qk", "softmax_scale", "c", "d", "caps", "slopes", "head",
+                              "q_idx", "kv_idx", "softcap"})
+    got = split_factor(expr, ("score", "qk", "q_idx", "kv_idx"))
+    assert (got and (got[0].text, got[1].text)) == split
+    if got:
+        assert (got[0].file, got[0].line) == ("f.yaml", 3) and got[0].names | got[1].names <= expr.names
+
+
+def test_softcap_folds_its_cap_on_the_hopper_forward():
+    """softcap's cap is its score_mod's uniform factor (rendered with the rest beside score_mod);
+    a spec without a score_bound keeps none (only the bounded softmax folds it)."""
+    softcap = load_spec("flash_attn_softcap", onto="flash_attn_fwd_sm90")
+    assert [e.text for e in softcap.mods.score_factor] == [
+        "softcap", "tanh_approx(qk * (softmax_scale / softcap))"]
+    variant = softcap.variant("sm_90a", head_dim=128, dtype="bf16", causal=False)
+    text = render.render(softcap, variant, softcap.default_config(variant)).text
+    assert "kScoreFactor = true;" in text and "return (softcap);" in text
+    alibi = load_spec("flash_attn_alibi", onto="flash_attn_fwd_sm90")
+    assert alibi.mods.score_factor is None
+    variant = alibi.variant("sm_90a", head_dim=128, dtype="bf16", causal=False)
+    assert "kScoreFactor = false;" in render.render(
+        alibi, variant, alibi.default_config(variant)).text
 
 
 ALIBI_LIKE = 'score_mod: "score - s * fabsf((float)(q_idx - kv_idx))"'

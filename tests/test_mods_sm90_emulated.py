@@ -50,6 +50,9 @@ def qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype=torch.bfloat1
     (64, torch.float16, False, (2, 250, 200, 2, 1), config(192, 96, persistent=1), 2.0),  # 3 consumers
     (96, torch.bfloat16, False, (1, 130, 300, 2, 2), config(128, 128, schedule=0, persistent=1), -2.0),
     (128, torch.bfloat16, False, (1, 200, 333, 4, 2), config(128, 128, schedule=1, persistent=1), 45.0),
+    # a negative cap at hd128: the cap is the score_mod's factor (Mods::kScoreFactor), folded into
+    # the exp2's scale only where positive; here the scores take it before the causal mask
+    (128, torch.bfloat16, True, (1, 200, 333, 4, 2), config(128, 128, schedule=1, persistent=1), -2.0),
     (64, torch.float16, True, (2, 250, 200, 2, 1), config(persistent=0), 6.0),
     # half_diag: the diagonal block's upper S is -inf before the score_mod sees it.
     (128, torch.bfloat16, True, (1, 300, 300, 2, 1), config(128, 128, 1, 2, half_diag=1), 45.0),
@@ -57,7 +60,7 @@ def qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype=torch.bfloat1
     (128, torch.bfloat16, False, (2, 200, 333, 2, 1), config(128, 128, 1, 1, **CARRY), 45.0),
     (64, torch.float16, True, (1, 300, 200, 2, 2), config(128, 128, 2, 2, **CARRY), 6.0),
 ], ids=["hd128-causal-gqa", "hd64-fp16-3wg-persistent", "hd96-plain-schedule-persistent-negative",
-        "hd128-past-bound", "hd64-fp16-past-bound", "hd128-causal-half-diag", "hd128-carry",
+        "hd128-past-bound", "hd128-causal-negative", "hd64-fp16-past-bound", "hd128-causal-half-diag", "hd128-carry",
         "hd64-fp16-causal-carry-dynamic"])
 def test_softcap(head_dim, dtype, causal, shape, cfg, cap):
     batch, seqlen_q, seqlen_k, heads, heads_k = shape

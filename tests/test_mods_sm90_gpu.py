@@ -45,9 +45,11 @@ def test_softcap(head_dim, causal, config):
         check(got, q, k, v, causal, score_mod=lambda s, *_: 5.0 * torch.tanh(s / 5.0))
 
 
-# bf16: 39 within the bound, 60 past it; fp16: 4 within, 5 past.
+# bf16: 39 within the bound, 60 past it; fp16: 4 within, 5 past; a negative cap (the score_mod's
+# factor, kept out of the exp2's scale: the online softmax).
 @pytest.mark.parametrize("dtype, cap", [(torch.bfloat16, 39.0), (torch.bfloat16, 60.0),
-                                        (torch.float16, 4.0), (torch.float16, 5.0)])
+                                        (torch.float16, 4.0), (torch.float16, 5.0),
+                                        (torch.bfloat16, -3.0)])
 def test_softcap_at_and_past_the_score_bound(dtype, cap):
     """The softmax subtracts the cap instead of a running max when exp(-2 cap) is a normal P
     (bf16: cap <= 39.8, fp16: <= 4.5), else runs online; large scores make both edges matter:

@@ -33,6 +33,9 @@ struct Mods {
     static constexpr bool kRangeReadsMemory = false;
     // Whether score_bound() bounds |score_mod| (the Hopper forward may skip the running max).
     static constexpr bool kScoreBound = false;
+    // Whether score_mod is score_factor() * score_mod_inner(), the factor uniform over a tile
+    // (the Hopper forward's bounded softmax folds it into its exp2's scale).
+    static constexpr bool kScoreFactor = false;
     // Whether slope_before() / slope_after() give score_mod as a bias linear in the key's
     // distance from the diagonal (the Hopper forward's DistanceBias).
     static constexpr bool kDistanceSlopes = true;
@@ -48,7 +51,7 @@ struct Mods {
         [[maybe_unused]] const float score = qk * softmax_scale;
 #line 11 "specs/flash_attn_alibi.yaml"
         return (score - alibi_slopes[batch * alibi_stride_b + head] * fabsf((float)(q_idx + seqlen_k - seqlen_q - kv_idx)));
-#line 50 "flash_attn_alibi__head_dim256_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+#line 53 "flash_attn_alibi__head_dim256_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ float score_bound(int batch, int head) const {
         return 0.0f;
@@ -56,12 +59,12 @@ struct Mods {
     __device__ __forceinline__ float slope_before(int batch, int head) const {
 #line 19 "specs/flash_attn_alibi.yaml"
         return (alibi_slopes[batch * alibi_stride_b + head]);
-#line 58 "flash_attn_alibi__head_dim256_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+#line 61 "flash_attn_alibi__head_dim256_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ float slope_after(int batch, int head) const {
 #line 20 "specs/flash_attn_alibi.yaml"
         return (-alibi_slopes[batch * alibi_stride_b + head]);
-#line 63 "flash_attn_alibi__head_dim256_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
+#line 66 "flash_attn_alibi__head_dim256_dtypefp16_causal0__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ bool mask_mod(int batch, int head, int q_idx, int kv_idx,
                                              int seqlen_q, int seqlen_k) const {

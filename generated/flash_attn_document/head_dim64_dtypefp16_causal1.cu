@@ -41,6 +41,9 @@ struct Mods {
     static constexpr bool kRangeReadsMemory = false;
     // Whether score_bound() bounds |score_mod| (the Hopper forward may skip the running max).
     static constexpr bool kScoreBound = false;
+    // Whether score_mod is score_factor() * score_mod_inner(), the factor uniform over a tile
+    // (the Hopper forward's bounded softmax folds it into its exp2's scale).
+    static constexpr bool kScoreFactor = false;
     // Whether slope_before() / slope_after() give score_mod as a bias linear in the key's
     // distance from the diagonal (the Hopper forward's DistanceBias).
     static constexpr bool kDistanceSlopes = false;
@@ -82,7 +85,7 @@ struct Mods {
                                              int seqlen_q, int seqlen_k) const {
 #line 12 "specs/flash_attn_document.yaml"
         return (doc_q[batch * seqlen_q + q_idx] == doc_k[batch * seqlen_k + kv_idx]);
-#line 84 "flash_attn_document__head_dim64_dtypefp16_causal1__sm_80__block_m64_block_n64_warps4_stages2_grid_order0.cu"
+#line 87 "flash_attn_document__head_dim64_dtypefp16_causal1__sm_80__block_m64_block_n64_warps4_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int kv_lo(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {

@@ -121,6 +121,9 @@ struct Mods {
     static constexpr bool kRangeReadsMemory = false;
     // Whether score_bound() bounds |score_mod| (the Hopper forward may skip the running max).
     static constexpr bool kScoreBound = false;
+    // Whether score_mod is score_factor() * score_mod_inner(), the factor uniform over a tile
+    // (the Hopper forward's bounded softmax folds it into its exp2's scale).
+    static constexpr bool kScoreFactor = false;
     // Whether slope_before() / slope_after() give score_mod as a bias linear in the key's
     // distance from the diagonal (the Hopper forward's DistanceBias).
     static constexpr bool kDistanceSlopes = false;

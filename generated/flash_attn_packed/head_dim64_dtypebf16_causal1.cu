@@ -33,6 +33,9 @@ struct Mods {
     static constexpr bool kRangeReadsMemory = true;
     // Whether score_bound() bounds |score_mod| (the Hopper forward may skip the running max).
     static constexpr bool kScoreBound = false;
+    // Whether score_mod is score_factor() * score_mod_inner(), the factor uniform over a tile
+    // (the Hopper forward's bounded softmax folds it into its exp2's scale).
+    static constexpr bool kScoreFactor = false;
     // Whether slope_before() / slope_after() give score_mod as a bias linear in the key's
     // distance from the diagonal (the Hopper forward's DistanceBias).
     static constexpr bool kDistanceSlopes = false;
@@ -61,31 +64,31 @@ struct Mods {
                                              int seqlen_q, int seqlen_k) const {
 #line 17 "specs/flash_attn_packed.yaml"
         return (kv_idx >= doc_start[batch * seqlen_q + q_idx] && kv_idx < doc_end[batch * seqlen_q + q_idx]);
-#line 63 "flash_attn_packed__head_dim64_dtypebf16_causal1__sm_80__block_m64_block_n64_warps4_stages2_grid_order0.cu"
+#line 66 "flash_attn_packed__head_dim64_dtypebf16_causal1__sm_80__block_m64_block_n64_warps4_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int kv_lo(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 21 "specs/flash_attn_packed.yaml"
         return (doc_start[batch * seqlen_q + q_first]);
-#line 69 "flash_attn_packed__head_dim64_dtypebf16_causal1__sm_80__block_m64_block_n64_warps4_stages2_grid_order0.cu"
+#line 72 "flash_attn_packed__head_dim64_dtypebf16_causal1__sm_80__block_m64_block_n64_warps4_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int kv_hi(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 22 "specs/flash_attn_packed.yaml"
         return (doc_end[batch * seqlen_q + q_last]);
-#line 75 "flash_attn_packed__head_dim64_dtypebf16_causal1__sm_80__block_m64_block_n64_warps4_stages2_grid_order0.cu"
+#line 78 "flash_attn_packed__head_dim64_dtypebf16_causal1__sm_80__block_m64_block_n64_warps4_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int full_lo(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 23 "specs/flash_attn_packed.yaml"
         return (doc_start[batch * seqlen_q + q_last]);
-#line 81 "flash_attn_packed__head_dim64_dtypebf16_causal1__sm_80__block_m64_block_n64_warps4_stages2_grid_order0.cu"
+#line 84 "flash_attn_packed__head_dim64_dtypebf16_causal1__sm_80__block_m64_block_n64_warps4_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int full_hi(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 24 "specs/flash_attn_packed.yaml"
         return (doc_end[batch * seqlen_q + q_first]);
-#line 87 "flash_attn_packed__head_dim64_dtypebf16_causal1__sm_80__block_m64_block_n64_warps4_stages2_grid_order0.cu"
+#line 90 "flash_attn_packed__head_dim64_dtypebf16_causal1__sm_80__block_m64_block_n64_warps4_stages2_grid_order0.cu"
     }
 };
 

@@ -32,6 +32,9 @@ struct Mods {
     static constexpr bool kRangeReadsMemory = false;
     // Whether score_bound() bounds |score_mod| (the Hopper forward may skip the running max).
     static constexpr bool kScoreBound = true;
+    // Whether score_mod is score_factor() * score_mod_inner(), the factor uniform over a tile
+    // (the Hopper forward's bounded softmax folds it into its exp2's scale).
+    static constexpr bool kScoreFactor = true;
     // Whether slope_before() / slope_after() give score_mod as a bias linear in the key's
     // distance from the diagonal (the Hopper forward's DistanceBias).
     static constexpr bool kDistanceSlopes = false;
@@ -47,12 +50,28 @@ struct Mods {
         [[maybe_unused]] const float score = qk * softmax_scale;
 #line 12 "specs/flash_attn_softcap.yaml"
         return (softcap * tanh_approx(qk * (softmax_scale / softcap)));
-#line 49 "flash_attn_softcap__head_dim128_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 52 "flash_attn_softcap__head_dim128_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+    }
+    // score_mod split at its top-level product: the factor that reads no score or index, and
+    // the rest (score_mod = score_factor() * score_mod_inner()).
+    __device__ __forceinline__ float score_factor(float softmax_scale, int batch, int head,
+                                                  int seqlen_q, int seqlen_k) const {
+#line 12 "specs/flash_attn_softcap.yaml"
+        return (softcap);
+#line 60 "flash_attn_softcap__head_dim128_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+    }
+    __device__ __forceinline__ float score_mod_inner(float qk, float softmax_scale, int batch,
+                                                     int head, int q_idx, int kv_idx, int seqlen_q,
+                                                     int seqlen_k) const {
+        [[maybe_unused]] const float score = qk * softmax_scale;
+#line 12 "specs/flash_attn_softcap.yaml"
+        return (tanh_approx(qk * (softmax_scale / softcap)));
+#line 68 "flash_attn_softcap__head_dim128_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ float score_bound(int batch, int head) const {
 #line 19 "specs/flash_attn_softcap.yaml"
         return (fabsf(softcap));
-#line 54 "flash_attn_softcap__head_dim128_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 73 "flash_attn_softcap__head_dim128_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ float slope_before(int batch, int head) const {
         return 0.0f;

@@ -33,6 +33,9 @@ struct Mods {
     static constexpr bool kRangeReadsMemory = false;
     // Whether score_bound() bounds |score_mod| (the Hopper forward may skip the running max).
     static constexpr bool kScoreBound = false;
+    // Whether score_mod is score_factor() * score_mod_inner(), the factor uniform over a tile
+    // (the Hopper forward's bounded softmax folds it into its exp2's scale).
+    static constexpr bool kScoreFactor = false;
     // Whether slope_before() / slope_after() give score_mod as a bias linear in the key's
     // distance from the diagonal (the Hopper forward's DistanceBias).
     static constexpr bool kDistanceSlopes = false;
@@ -61,31 +64,31 @@ struct Mods {
                                              int seqlen_q, int seqlen_k) const {
 #line 13 "specs/flash_attn_window.yaml"
         return ((window_left < 0 || kv_idx >= q_idx + seqlen_k - seqlen_q - window_left) && (window_right < 0 || kv_idx <= q_idx + seqlen_k - seqlen_q + window_right));
-#line 63 "flash_attn_window__head_dim96_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 66 "flash_attn_window__head_dim96_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int kv_lo(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 17 "specs/flash_attn_window.yaml"
         return (window_left < 0 ? 0 : q_first + seqlen_k - seqlen_q - window_left);
-#line 69 "flash_attn_window__head_dim96_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 72 "flash_attn_window__head_dim96_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int kv_hi(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 18 "specs/flash_attn_window.yaml"
         return (window_right < 0 ? seqlen_k : q_last + seqlen_k - seqlen_q + window_right + 1);
-#line 75 "flash_attn_window__head_dim96_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 78 "flash_attn_window__head_dim96_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int full_lo(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 19 "specs/flash_attn_window.yaml"
         return (window_left < 0 ? 0 : q_last + seqlen_k - seqlen_q - window_left);
-#line 81 "flash_attn_window__head_dim96_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 84 "flash_attn_window__head_dim96_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int full_hi(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
 #line 20 "specs/flash_attn_window.yaml"
         return (window_right < 0 ? (1 << 30) : q_first + seqlen_k - seqlen_q + window_right + 1);
-#line 87 "flash_attn_window__head_dim96_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
+#line 90 "flash_attn_window__head_dim96_dtypebf16_causal0__sm_80__block_m128_block_n64_warps8_stages2_grid_order0.cu"
     }
 };
 

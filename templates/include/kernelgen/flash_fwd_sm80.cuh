@@ -117,6 +117,7 @@ struct NoMods {
     static constexpr bool kScoreMod = false, kMaskMod = false, kKvRange = false;
     static constexpr bool kBlockSparse = false, kClampIndices = false, kExactRange = false;
     static constexpr bool kRangeReadsMemory = false, kScoreBound = false, kDistanceSlopes = false;
+    static constexpr bool kScoreFactor = false;
     __device__ SparseRow sparse_row(int, int, int) const { return SparseRow{nullptr, nullptr, 0, 0}; }
     __device__ float score_mod(float qk, float scale, int, int, int, int, int, int) const {
         return qk * scale;

@@ -170,7 +170,16 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
     // softmax paths cost more than the max they save (PERF_NOTES §41, §42).
     constexpr bool kBounded = Mods::kScoreBound && C::kHeadDim >= 128;
     const float bound = kBounded ? mods.score_bound(w.batch, w.head) : 0.f;
-    const bool fixed = kBounded && bound >= 0.f && bound <= MaxScoreBound<Elem>::value;
+    // A bounded score_mod that is factor * inner (softcap: the cap times a tanh): S holds inner,
+    // and the factor goes into the exp2's scale once a tile, one multiply a score fewer
+    // (PERF_NOTES §106). Only for a positive factor (masked scores are -inf times it); else, or
+    // where the bound does not apply, S is multiplied by it before the masks and the softmax.
+    constexpr bool kFold = kBounded && Mods::kScoreFactor;
+    float factor = 1.f;
+    if constexpr (kFold)
+        factor = mods.score_factor(a.softmax_scale, w.batch, w.head, a.seqlen_q, a.seqlen_k);
+    const bool fixed = kBounded && bound >= 0.f && bound <= MaxScoreBound<Elem>::value &&
+                       (!kFold || factor > 0.f);
     if (fixed) row_max[0] = row_max[1] = bound;
     const auto rescale = [&](const float (&by)[2]) {
         if (!fixed) rescale_o<C>(acc_o, by);
@@ -208,14 +217,21 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
         const int c0 = block_col0(i, early);
         if constexpr (Mods::kDistanceSlopes)
             bias_scores<C>(acc_s, shift, a, mods, bias, w, c0, lane_row);
-        else if constexpr (Mods::kScoreMod)
-            modify_scores<C, Mods, C::kBlockN / (decltype(half)::value ? 16 : 8)>(
-                acc_s, a, mods, w, c0, lane_row);
+        else if constexpr (Mods::kScoreMod) {
+            constexpr int kPairs = C::kBlockN / (decltype(half)::value ? 16 : 8);
+            modify_scores<C, Mods, kPairs, kFold>(acc_s, a, mods, w, c0, lane_row);
+            if constexpr (kFold) {
+                if (!fixed) {
+                    #pragma unroll
+                    for (int k = 0; k < 4 * kPairs; ++k) acc_s[k] *= factor;
+                }
+            }
+        }
         mask_scores<C>(acc_s, a, mods, w, bits, c0, wg_row0, lane_row);
     };
     const auto softmax = [&](float (&alpha_out)[2]) {
         softmax_step<C, Mods::kDistanceSlopes>(acc_s, row_max, row_sum, scale_log2, alpha_out,
-                                               fixed, shift);
+                                               fixed, shift, factor);
     };
     const auto fence_pv_operands = [&] {
         fence_operands(acc_o);
@@ -291,7 +307,7 @@ __device__ __forceinline__ void sm90_consume(const FwdArgs<typename C::Elem>& a,
             finish_qk(0, c00, bits0, half);
             // O is 0: alpha unused. Half: the upper half's P is 0 without its exp2s.
             softmax_step<C, Mods::kDistanceSlopes, C::kBlockN / (decltype(half)::value ? 16 : 8)>(
-                acc_s, row_max, row_sum, scale_log2, alpha, fixed, shift);
+                acc_s, row_max, row_sum, scale_log2, alpha, fixed, shift, factor);
             release_previous_q();
             pack_p<C>(p, acc_s);
             // pv_wait: block 0's V now, as every later block's at the end of its softmax.

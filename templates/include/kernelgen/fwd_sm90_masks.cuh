@@ -41,7 +41,8 @@ __device__ __forceinline__ int mod_index(int idx, int seqlen) {
 // col0 + 2 * (lane % 4) + 8 * i + (e & 1) (wgmma.cuh). A score_mod rewrites every scaled score,
 // the indices clamped into the sequences where it may read memory at them (mod_index).
 // kPairs < BLOCK_N / 8 (half_diag): only the first kPairs 8-column groups, the rest masked.
-template <class C, class Mods, int kPairs = C::kBlockN / 8>
+// kInner: score_mod_inner instead (score_mod without its uniform factor, Mods::kScoreFactor).
+template <class C, class Mods, int kPairs = C::kBlockN / 8, bool kInner = false>
 __device__ __forceinline__ void modify_scores(float (&acc_s)[C::kBlockN / 2],
                                               const FwdArgs<typename C::Elem>& a, const Mods& mods,
                                               const TileWork& w, int col0, int lane_row) {
@@ -49,11 +50,17 @@ __device__ __forceinline__ void modify_scores(float (&acc_s)[C::kBlockN / 2],
     #pragma unroll
     for (int i = 0; i < kPairs; ++i)
         #pragma unroll
-        for (int e = 0; e < 4; ++e)
-            acc_s[4 * i + e] = mods.score_mod(
-                acc_s[4 * i + e], a.softmax_scale, w.batch, w.head,
-                mod_index<Mods>(lane_row + (e / 2) * 8, a.seqlen_q),
-                mod_index<Mods>(lane_col + i * 8 + (e & 1), a.seqlen_k), a.seqlen_q, a.seqlen_k);
+        for (int e = 0; e < 4; ++e) {
+            const int q_idx = mod_index<Mods>(lane_row + (e / 2) * 8, a.seqlen_q);
+            const int kv_idx = mod_index<Mods>(lane_col + i * 8 + (e & 1), a.seqlen_k);
+            float& s = acc_s[4 * i + e];
+            if constexpr (kInner)
+                s = mods.score_mod_inner(s, a.softmax_scale, w.batch, w.head, q_idx, kv_idx,
+                                         a.seqlen_q, a.seqlen_k);
+            else
+                s = mods.score_mod(s, a.softmax_scale, w.batch, w.head, q_idx, kv_idx, a.seqlen_q,
+                                   a.seqlen_k);
+        }
 }
 
 // A score_mod that is a bias linear in the key's distance d = kv_idx - (q_idx + seqlen_k -

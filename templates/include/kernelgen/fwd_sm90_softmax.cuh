@@ -19,12 +19,16 @@ template <> struct MaxScoreBound<half_t> { static constexpr float value = 4.5f; 
 // is taken; the caller then skips O's rescale. kShift: row h's scores are acc_s + shift[h] (a
 // distance bias's row terms, DistanceBias), added to the row's max and exp2's offset rather
 // than to each score. kPairs < BLOCK_N / 8 (half_diag): only the first kPairs 8-column groups
-// hold scores, the rest are masked; their P is 0 without an exp2.
+// hold scores, the rest are masked; their P is 0 without an exp2. score_scale: `fixed` only, a
+// factor the scores still lack (a score_mod's uniform factor, Mods::kScoreFactor), taken into
+// the exp2's scale (P = exp2(S * c * score_scale - B * c)); the bound B is already in units of
+// the modified score.
 template <class C, bool kShift = false, int kPairs = C::kBlockN / 8>
 __device__ __forceinline__ void softmax_step(float (&acc_s)[C::kBlockN / 2], float (&row_max)[2],
                                              float (&row_sum)[2], float scale_log2,
                                              float (&alpha)[2], bool fixed = false,
-                                             const float (&shift)[2] = {0.f, 0.f}) {
+                                             const float (&shift)[2] = {0.f, 0.f},
+                                             float score_scale = 1.f) {
     // A row's max over this thread's block_n / 4 scores runs as kParts independent chains and
     // then a tree: one chain of dependent FMNMX made every exp2 wait out block_n / 8 FMNMX
     // latencies (PERF_NOTES §30: hd64 +1-5% at >= 4k). The sum stays one chain: it runs behind
@@ -66,7 +70,7 @@ __device__ __forceinline__ void softmax_step(float (&acc_s)[C::kBlockN / 2], flo
             #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 float& x = acc_s[4 * i + 2 * h + j];
-                x = exp2_approx(fmaf(x, scale_log2, offset));
+                x = exp2_approx(fmaf(x, fixed ? scale_log2 * score_scale : scale_log2, offset));
                 if constexpr (!C::kSumMma) sum += x;  // else the P V wgmma sums P
             }
         if constexpr (!C::kSumMma)
