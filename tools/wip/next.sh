@@ -254,5 +254,22 @@ case $1 in
          grep -E "^---|instructions|by opcode|^ *[0-9.]+% +[0-9.]+% " "$OUT/stalls.txt" | head -60
          PYTHONPATH=. timeout 110 python3 -m kernelgen.cli bench --mods --pass bwd --seqlens 4096 \
            --out "$OUT/mods_bwd" > "$OUT/mods_bwd.txt" 2>&1; tail -16 "$OUT/mods_bwd.txt" ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40|s40h|s40g|s40p"; exit 2 ;;
+  s40f) # ~6 min (PERF_NOTES §106): softcap's GPU tests on the folded cap, then its forward, the
+         # tree before (.ab/old: git archive d71e4f5~1) against this one, interleaved, two rounds;
+         # then the modifier forward bench (every modifier, 4k)
+         [ -d .ab/old/kernelgen ] || { echo "carry .ab/old"; exit 2; }
+         nvidia-smi --query-gpu=name --format=csv,noheader
+         PYTHONPATH=. timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -k softcap \
+           tests/test_mods_sm90_gpu.py tests/test_mods_gpu.py 2>&1 | tail -2
+         for r in 1 2; do for tree in .ab/old .; do
+           tag=$([ $tree = . ] && echo new || echo old)
+           (cd $tree && PYTHONPATH=. timeout 100 python3 -m kernelgen.cli bench --mods softcap --pass fwd \
+              --head-dims 128 256 --seqlens 4096 16384 --systems kernelgen --out "$OUT/sc_$tag$r" \
+              > "$OUT/sc_$tag$r.txt" 2>&1)
+         done; done
+         python3 tools/ab_trees.py $OUT/sc_old1/mods.json $OUT/sc_new1/mods.json \
+           $OUT/sc_old2/mods.json $OUT/sc_new2/mods.json 2>&1 | tee "$OUT/sc_ab.txt"
+         PYTHONPATH=. timeout 120 python3 -m kernelgen.cli bench --mods --pass fwd --seqlens 4096 \
+           --out "$OUT/mods_fwd" > "$OUT/mods_fwd.txt" 2>&1; tail -16 "$OUT/mods_fwd.txt" ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40|s40h|s40g|s40p|s40f"; exit 2 ;;
 esac
