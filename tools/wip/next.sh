@@ -271,18 +271,25 @@ case $1 in
            $OUT/sc_old2/mods.json $OUT/sc_new2/mods.json 2>&1 | tee "$OUT/sc_ab.txt"
          PYTHONPATH=. timeout 120 python3 -m kernelgen.cli bench --mods --pass fwd --seqlens 4096 \
            --out "$OUT/mods_fwd" > "$OUT/mods_fwd.txt" 2>&1; tail -16 "$OUT/mods_fwd.txt" ;;
-  s40v) # ~8 min (PERF_NOTES §107): a kv range's mask verdicts from the stats warp, both bounds'
-         # loads beside LSE's and D's. The backward GPU tests and the mask mods' memcheck, then the
-         # main kernels, the tree before (.ab/old: git archive of 1219634) against this one, then
-         # the modifier backward bench
-         [ -d .ab/old/kernelgen ] || { echo "carry .ab/old"; exit 2; }
+  s40v) # ~6.5 min (PERF_NOTES §107, §108): the backward GPU tests and the mask mods' memcheck on
+         # this tree, then the main kernels of the tree before §107 (.ab/old: git archive
+         # 5977732~1), §107's (12604aa: .ab/v107) and this one (§108), interleaved per case
+         [ -d .ab/old/kernelgen ] && [ -d .ab/v107/kernelgen ] || { echo "carry .ab/old .ab/v107"; exit 2; }
          nvidia-smi --query-gpu=name --format=csv,noheader
          PYTEST_ARGS="$BWD_GPU_TESTS" STEPS=pytest T_pytest=200 bash tools/h200_run.sh 2>&1 | tail -3
          STEPS=memcheck T_memcheck=120 RAGGED_ARGS="--mask-mods 64 128" bash tools/h200_run.sh 2>&1 | tail -3
-         for r in 1 2; do for c in "" --causal; do
-           kt .ab/old old$r$c --mods packed window varlen_window $c; kt . new$r$c --mods packed window varlen_window $c
-         done; done | tee "$OUT/kt.txt"
+         for c in "" --causal; do
+           kt .ab/old old$c --mods packed window varlen_window document $c
+           kt .ab/v107 v107$c --mods packed window varlen_window document $c
+           kt . new$c --mods packed window varlen_window document $c
+         done | tee "$OUT/kt1.txt" ;;
+  s40w) # ~4 min: a second round of s40v's main kernels (§107's tree and this one), then the
+         # modifier backward bench on this tree
+         for c in "" --causal; do
+           kt .ab/v107 v107$c --mods packed window varlen_window document $c
+           kt . new$c --mods packed window varlen_window document $c
+         done | tee "$OUT/kt2.txt"
          PYTHONPATH=. timeout 110 python3 -m kernelgen.cli bench --mods --pass bwd --seqlens 4096 \
            --out "$OUT/mods_bwd" > "$OUT/mods_bwd.txt" 2>&1; tail -16 "$OUT/mods_bwd.txt" ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40|s40h|s40g|s40p|s40f|s40v"; exit 2 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40|s40h|s40g|s40p|s40f|s40v|s40w"; exit 2 ;;
 esac

@@ -103,8 +103,10 @@ __device__ __forceinline__ SeenPairs bwd_count_seen(int count, int lane, const S
     return found;
 }
 
+// The CTA's KV tile and its pairs before any are ruled out (n_iter: all of them); bwd_count
+// then counts those walked where that reads memory.
 template <class C, class Mods>
-__device__ __forceinline__ BwdWork bwd_work(const BwdArgs<typename C::Elem>& a, const Mods& mods) {
+__device__ __forceinline__ BwdWork bwd_tile(const BwdArgs<typename C::Elem>& a, const Mods& mods) {
     // Causal grids put the KV tile in the middle (the spec's launch): per batch, every kv head's
     // tile 0 (the most query rows) first, then every tile 1, ..., so the tiles sharing a head's Q,
     // dO and dQ accumulators run close in time, in L2, and still longest first. (With the tile
@@ -130,22 +132,34 @@ __device__ __forceinline__ BwdWork bwd_work(const BwdArgs<typename C::Elem>& a, 
     int m_first = 0;
     if constexpr (C::kCausal) m_first = min(max(kv0 - (a.seqlen_k - a.seqlen_q), 0) / C::kBlockM, m_tiles);
     const int per_head = m_tiles - m_first;
-    // Pairs walked: all of them; with a kv range those it does not rule out (counted by each
-    // warp, all threads still converged here); with a block mask the group's listed ones.
-    int n_iter = per_head * group, first_seen = 0;
-    if constexpr (Mods::kBlockSparse) {
-        n_iter = 0;
-        for (int g = 0; g < group; ++g)
-            n_iter += mods.sparse_row(batch, kv_head * group + g, n_block).n_blocks;
-    } else if constexpr (kBwdSkipPairs<Mods>) {
-        const SeenPairs seen = bwd_count_seen(per_head * group, threadIdx.x % 32, [&](int pair) {
-            return bwd_pair_seen<C>(a, mods, kv_head, batch, kv0, group, m_first, per_head, pair);
-        });
-        n_iter = seen.total;
-        first_seen = seen.first;
-    }
-    return BwdWork{kv_head, batch, kv0, group, m_first, per_head, n_iter, n_block, first_seen};
+    return BwdWork{kv_head, batch, kv0, group, m_first, per_head, per_head * group, n_block, 0};
 }
+
+// Pairs walked: all of them; with a kv range those it does not rule out (counted by each warp,
+// all threads still converged here); with a block mask the group's listed ones. Both read
+// memory, so the kernel asks for K and V first (kBwdEarlyKv).
+template <class C, class Mods>
+__device__ __forceinline__ void bwd_count(const BwdArgs<typename C::Elem>& a, const Mods& mods,
+                                          BwdWork& w) {
+    if constexpr (Mods::kBlockSparse) {
+        w.n_iter = 0;
+        for (int g = 0; g < w.group; ++g)
+            w.n_iter += mods.sparse_row(w.batch, w.kv_head * w.group + g, w.n_block).n_blocks;
+    } else if constexpr (kBwdSkipPairs<Mods>) {
+        const SeenPairs seen = bwd_count_seen(w.per_head * w.group, threadIdx.x % 32, [&](int pair) {
+            return bwd_pair_seen<C>(a, mods, w.kv_head, w.batch, w.kv0, w.group, w.m_first,
+                                    w.per_head, pair);
+        });
+        w.n_iter = seen.total;
+        w.first_seen = seen.first;
+    }
+}
+
+// Whether thread 0 asks for K and V before the pairs are counted, so that the count's round
+// trips (a kv range's bounds, a block mask's list lengths) run while they load (PERF_NOTES
+// §108); a tile that then has no pair waits for them before it exits.
+template <class Mods>
+constexpr bool kBwdEarlyKv = kBwdSkipPairs<Mods> || Mods::kBlockSparse;
 
 // Causal, without a kv range or a block mask, and not at head dim 96 (whose consumers sit at the
 // register limit: ptxas serialized the wgmmas of its modifier kernels, C7511): pair 0 is walked

@@ -71,6 +71,18 @@ namespace kg {
 
 // ---- the producer warpgroup -----------------------------------------------------------------
 
+// K and V of the CTA's tile, once (thread 0: the producer's issuing thread, or, kBwdEarlyKv,
+// before the pairs are counted).
+template <class C>
+__device__ __forceinline__ void bwd_load_kv(u32 base, BwdSm90Barriers<C> bar, const TensorMap& map_k,
+                                            const TensorMap& map_v, const BwdWork& w) {
+    tma_prefetch(map_k);
+    tma_prefetch(map_v);
+    mbarrier_arrive_expect_tx(bar.full_kv(), 2 * C::kTileKV);
+    tma_load_5d(base + C::kOffK, map_k, bar.full_kv(), 0, w.kv0, 0, w.kv_head, w.batch, kEvictFirst);
+    tma_load_5d(base + C::kOffV, map_v, bar.full_kv(), 0, w.kv0, 0, w.kv_head, w.batch, kEvictFirst);
+}
+
 // Thread 0: K and V once, then Q and dO of every pair through the ring.
 // With a kv range the whole warp 0 walks the pairs (the search is warp-wide) and its lane 0
 // issues; otherwise thread 0 alone runs this. With kBwdSlotPairs (a kv range, a block mask) the
@@ -86,12 +98,8 @@ __device__ __forceinline__ void bwd_produce_tiles(u32 base, BwdSlotPair* slot_pa
     const bool issue = !kBwdSkipPairs<Mods> || threadIdx.x % 32 == 0;
     if (issue) {
         tma_prefetch(map_q);
-        tma_prefetch(map_k);
-        tma_prefetch(map_v);
         tma_prefetch(map_do);
-        mbarrier_arrive_expect_tx(bar.full_kv(), 2 * C::kTileKV);
-        tma_load_5d(base + C::kOffK, map_k, bar.full_kv(), 0, w.kv0, 0, w.kv_head, w.batch, kEvictFirst);
-        tma_load_5d(base + C::kOffV, map_v, bar.full_kv(), 0, w.kv0, 0, w.kv_head, w.batch, kEvictFirst);
+        if constexpr (!kBwdEarlyKv<Mods>) bwd_load_kv<C>(base, bar, map_k, map_v, w);
     }
     walk.first();
     for (int it = 0; it < w.n_iter; ++it) {
@@ -461,10 +469,13 @@ __device__ __forceinline__ void flash_bwd_sm90(const BwdArgs<typename C::Elem>& 
                                                const TensorMap& map_v, const TensorMap& map_do,
                                                const TensorMap& map_dq, const Mods& mods = Mods{}) {
     extern __shared__ __align__(1024) unsigned char smem[];
-    const BwdWork w = bwd_work<C>(a, mods);
-    if (w.n_iter == 0) {  // no barriers, no loads
-        write_empty_kv_tile<C>(a, w);
-        return;
+    BwdWork w = bwd_tile<C>(a, mods);
+    if constexpr (!kBwdEarlyKv<Mods>) {
+        bwd_count<C>(a, mods, w);
+        if (w.n_iter == 0) {  // no barriers, no loads
+            write_empty_kv_tile<C>(a, w);
+            return;
+        }
     }
 
     // Swizzled tiles need 1024-byte alignment; the dynamic smem base is only guaranteed 16.
@@ -484,6 +495,15 @@ __device__ __forceinline__ void flash_bwd_sm90(const BwdArgs<typename C::Elem>& 
             mbarrier_init(bar.dq_empty(wg), 1);
         }
         mbarrier_fence_init();
+        if constexpr (kBwdEarlyKv<Mods>) bwd_load_kv<C>(base, bar, map_k, map_v, w);
+    }
+    if constexpr (kBwdEarlyKv<Mods>) {
+        bwd_count<C>(a, mods, w);   // while K and V load
+        if (w.n_iter == 0) {
+            write_empty_kv_tile<C>(a, w);
+            if (threadIdx.x == 0) mbarrier_wait(bar.full_kv(), 0);  // TMA done with this smem
+            return;
+        }
     }
     __syncthreads();  // the last CTA-wide barrier: the producer's idle warps exit below
 
