@@ -291,5 +291,12 @@ case $1 in
          done | tee "$OUT/kt2.txt"
          PYTHONPATH=. timeout 110 python3 -m kernelgen.cli bench --mods --pass bwd --seqlens 4096 \
            --out "$OUT/mods_bwd" > "$OUT/mods_bwd.txt" 2>&1; tail -16 "$OUT/mods_bwd.txt" ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40|s40h|s40g|s40p|s40f|s40v|s40w"; exit 2 ;;
+  s40z) # ~4 min: the final tree's backward GPU tests, the mask mods' memcheck, the modifier
+         # backward bench
+         nvidia-smi --query-gpu=name --format=csv,noheader
+         PYTEST_ARGS="$BWD_GPU_TESTS" STEPS=pytest T_pytest=120 bash tools/h200_run.sh 2>&1 | tail -2
+         STEPS=memcheck T_memcheck=100 RAGGED_ARGS="--mask-mods 64 128" bash tools/h200_run.sh 2>&1 | tail -2
+         PYTHONPATH=. timeout 100 python3 -m kernelgen.cli bench --mods --pass bwd --seqlens 4096 \
+           --out "$OUT/mods_bwd" > "$OUT/mods_bwd.txt" 2>&1; tail -16 "$OUT/mods_bwd.txt" ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40|s40h|s40g|s40p|s40f|s40v|s40w|s40z"; exit 2 ;;
 esac

@@ -173,34 +173,8 @@ constexpr bool kBwdPeelDiagonal =
 // A block mask's entry is re-read from its lists (global memory, L1) per use, as in the sm80 kernel.
 struct BwdPair {
     int head, m0;
-    // A block mask's partially visible tile: the mask_mod per element. A kv range with a
-    // mask_mod: bit wg set where consumer wg's 64 keys need it (bwd_range_verdicts).
-    int partial;
+    int partial;  // a block mask's partially visible tile: the mask_mod per element
 };
-
-// Whether a kv range's per-warpgroup mask verdicts travel in the slot's record: found by the
-// stats warp, its bounds' loads issued beside its LSE and D loads (bwd_produce_stats).
-template <class Mods>
-constexpr bool kBwdRangeVerdicts = Mods::kKvRange && Mods::kMaskMod && !Mods::kBlockSparse;
-
-// A kv range's verdicts on the pair (head, m0): bit wg set where the keys kv0 + 64 wg .. + 63
-// are not all inside the rows' [full_lo, full_hi), so consumer wg evaluates the mask_mod per
-// element (flash_bwd_sm80.cuh's mod_mask_needed, per warpgroup). Both bounds are evaluated
-// before either is compared: mod_mask_needed's `||` let ptxas issue packed documents' second
-// load only once the first had come back, two round trips in a row.
-template <class C, class Mods>
-__device__ __forceinline__ int bwd_range_verdicts(const BwdArgs<typename C::Elem>& a,
-                                                  const Mods& mods, int batch, int kv0, int head,
-                                                  int m0) {
-    const int q_last = min(m0 + C::kBlockM, a.seqlen_q) - 1;
-    const int lo = mods.full_lo(m0, q_last, batch, head, a.seqlen_q, a.seqlen_k);
-    const int hi = mods.full_hi(m0, q_last, batch, head, a.seqlen_q, a.seqlen_k);
-    int bits = 0;
-    #pragma unroll
-    for (int wg = 0; wg < C::kConsumers; ++wg)
-        bits |= int(kv0 + 64 * wg < lo || kv0 + 64 * wg + 64 > hi) << wg;
-    return bits;
-}
 
 template <class C, class Mods>
 struct BwdWalk {

@@ -73,11 +73,14 @@ namespace kg {
 
 // K and V of the CTA's tile, once (thread 0: the producer's issuing thread, or, kBwdEarlyKv,
 // before the pairs are counted).
-template <class C>
+// kPrefetch: their descriptors' prefetch first (the producer's path prefetches all four first).
+template <class C, bool kPrefetch = true>
 __device__ __forceinline__ void bwd_load_kv(u32 base, BwdSm90Barriers<C> bar, const TensorMap& map_k,
                                             const TensorMap& map_v, const BwdWork& w) {
-    tma_prefetch(map_k);
-    tma_prefetch(map_v);
+    if constexpr (kPrefetch) {
+        tma_prefetch(map_k);
+        tma_prefetch(map_v);
+    }
     mbarrier_arrive_expect_tx(bar.full_kv(), 2 * C::kTileKV);
     tma_load_5d(base + C::kOffK, map_k, bar.full_kv(), 0, w.kv0, 0, w.kv_head, w.batch, kEvictFirst);
     tma_load_5d(base + C::kOffV, map_v, bar.full_kv(), 0, w.kv0, 0, w.kv_head, w.batch, kEvictFirst);
@@ -98,8 +101,12 @@ __device__ __forceinline__ void bwd_produce_tiles(u32 base, BwdSlotPair* slot_pa
     const bool issue = !kBwdSkipPairs<Mods> || threadIdx.x % 32 == 0;
     if (issue) {
         tma_prefetch(map_q);
+        if constexpr (!kBwdEarlyKv<Mods>) {
+            tma_prefetch(map_k);
+            tma_prefetch(map_v);
+        }
         tma_prefetch(map_do);
-        if constexpr (!kBwdEarlyKv<Mods>) bwd_load_kv<C>(base, bar, map_k, map_v, w);
+        if constexpr (!kBwdEarlyKv<Mods>) bwd_load_kv<C, false>(base, bar, map_k, map_v, w);
     }
     walk.first();
     for (int it = 0; it < w.n_iter; ++it) {
@@ -143,21 +150,12 @@ __device__ __forceinline__ void bwd_produce_stats(const BwdArgs<typename C::Elem
         float* stats = reinterpret_cast<float*>(tiles + C::kOffStats) + s * 2 * C::kBlockM;
         if constexpr (!kBwdSlotPairs<C, Mods>)
             mbarrier_wait(bar.empty(s), (u32(it / C::kStages) & 1) ^ 1);
-        // A kv range's mask verdicts, their bounds' loads in flight with LSE's and D's, so the
-        // slot's full barrier waits one round trip for both (found after them, they added one:
-        // PERF_NOTES §92; found by each consumer, they were a round trip on its path, before its
-        // per-element loads: §107).
-        int verdicts = 0;
-        if constexpr (kBwdRangeVerdicts<Mods>)
-            verdicts = bwd_range_verdicts<C>(a, walk.mods, w.batch, w.kv0, pair.head, m0);
         #pragma unroll
         for (int r = lane; r < C::kBlockM; r += 32) {
             const bool inside = m0 + r < a.seqlen_q;
             stats[r] = inside ? a.lse[row0 + r] * kLog2e : 0.f;
             stats[C::kBlockM + r] = inside ? a.dsum[row0 + r] : 0.f;
         }
-        if constexpr (kBwdRangeVerdicts<Mods>)
-            if (lane == 0) slot_pairs<C>(tiles)[s].partial = verdicts;
         mbarrier_arrive(bar.full(s));
     }
 }
@@ -285,16 +283,19 @@ __device__ __forceinline__ void bwd_consume(const BwdArgs<typename C::Elem>& a, 
             bool need_mask = w.kv0 + 64 * wg + 64 > a.seqlen_k;
             if constexpr (C::kCausal) need_mask |= w.kv0 + 64 * wg + 63 > m0 + shift;
             // The mask_mod per element: in a block mask's partial tiles, else unless the kv range
-            // vouches for this warpgroup's 64 keys and the tile's rows (the stats warp's verdict
-            // in the slot's record, PERF_NOTES §107). The per-element verdicts are taken while
-            // the GEMMs run (kEarlyModBits).
+            // vouches for this warpgroup's 64 keys and the tile's rows. Found here, while the
+            // GEMMs run: found by the stats warp beside its loads, it put the bounds' loads on the
+            // slot's full barrier, and packed / varlen ran 4-6% slower (PERF_NOTES §92). Its
+            // verdicts are taken while the GEMMs run too (kEarlyModBits).
             bool need_mod_mask = Mods::kMaskMod;
             u32 mod_hidden = 0;
             if constexpr (Mods::kMaskMod) {
                 if constexpr (Mods::kBlockSparse)
                     need_mod_mask = pair.partial != 0;
-                else if constexpr (kBwdRangeVerdicts<Mods>)   // the stats warp's
-                    need_mod_mask = (pair.partial >> wg) & 1;
+                else if constexpr (Mods::kKvRange)
+                    need_mod_mask = mod_mask_needed<64>(walk.mods, w.kv0 + 64 * wg, m0,
+                                                        min(m0 + C::kBlockM, a.seqlen_q) - 1,
+                                                        w.batch, head, a.seqlen_q, a.seqlen_k);
                 if (kEarlyModBits<C> && need_mod_mask)
                     mod_hidden = bwd_mod_hidden_bits<C>(a, walk.mods, w.batch, head, key0, query0);
             }
