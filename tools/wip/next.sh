@@ -231,16 +231,17 @@ case $1 in
          done
          PYTHONPATH=. timeout 200 python3 -m kernelgen.cli bench --pass fwd --head-dims 128 64 256 \
            --systems kernelgen sdpa_cudnn --out "$OUT/grid" > "$OUT/grid.txt" 2>&1; tail -30 "$OUT/grid.txt" ;;
-  s40h) # the H200's first call: the whole GPU suite, then the modifier bench both ways
+  s40h) # <= 9.5 min, the H200's first call: the whole GPU suite, then the modifier forward bench
          STEPS=all T_all=330 bash tools/h200_run.sh 2>&1 | tail -8
-         for pass in fwd bwd; do
-           PYTHONPATH=. timeout 110 python3 -m kernelgen.cli bench --mods --pass $pass --seqlens 4096 \
-             --out "$OUT/mods_$pass" > "$OUT/mods_$pass.txt" 2>&1; tail -13 "$OUT/mods_$pass.txt"
-         done ;;
-  s40g) # the forward grid against cuDNN, then softcap's forward on pingpong tiles
+         PYTHONPATH=. timeout 210 python3 -m kernelgen.cli bench --mods --pass fwd --seqlens 4096 \
+           --out "$OUT/mods_fwd" > "$OUT/mods_fwd.txt" 2>&1; tail -16 "$OUT/mods_fwd.txt" ;;
+  s40g) # <= 9.5 min: the modifier backward bench, then the forward grid against cuDNN
          nvidia-smi --query-gpu=name --format=csv,noheader
+         PYTHONPATH=. timeout 200 python3 -m kernelgen.cli bench --mods --pass bwd --seqlens 4096 \
+           --out "$OUT/mods_bwd" > "$OUT/mods_bwd.txt" 2>&1; tail -16 "$OUT/mods_bwd.txt"
          PYTHONPATH=. timeout 330 python3 -m kernelgen.cli bench --pass fwd --head-dims 128 64 256 \
-           --systems kernelgen sdpa_cudnn --out "$OUT/grid" > "$OUT/grid.txt" 2>&1; tail -40 "$OUT/grid.txt"
+           --systems kernelgen sdpa_cudnn --out "$OUT/grid" > "$OUT/grid.txt" 2>&1; tail -40 "$OUT/grid.txt" ;;
+  s40s) # ~2.5 min: softcap's forward on pingpong tiles (its tuned entries at 4k are schedule 1)
          PYTHONPATH=. timeout 150 python3 tools/config_ab.py --mod softcap --head-dims 128 --seqlens 4096 \
            --causal both --rounds 3 --alts '{"schedule": 2, "block_n": 160}' '{"schedule": 2}' \
            '{"schedule": 2, "block_n": 176, "persistent": 0, "q_buffers": 1}' \
@@ -298,5 +299,5 @@ case $1 in
          STEPS=memcheck T_memcheck=100 RAGGED_ARGS="--mask-mods 64 128" bash tools/h200_run.sh 2>&1 | tail -2
          PYTHONPATH=. timeout 100 python3 -m kernelgen.cli bench --mods --pass bwd --seqlens 4096 \
            --out "$OUT/mods_bwd" > "$OUT/mods_bwd.txt" 2>&1; tail -16 "$OUT/mods_bwd.txt" ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40|s40h|s40g|s40p|s40f|s40v|s40w|s40z"; exit 2 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40|s40h|s40g|s40p|s40f|s40v|s40w|s40z|s40s"; exit 2 ;;
 esac
