@@ -470,7 +470,9 @@ def test_the_packaged_defaults_file(spec):
     assert doc["format"] == tune.DEFAULTS_FORMAT and isinstance(doc["entries"], list)
     tune._read_shipped(doc)
     pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
-    assert "data/*.json" in pyproject["tool"]["setuptools"]["package-data"]["kernelgen"]
+    setuptools = pyproject["tool"]["setuptools"]   # the wheel carries it (kernelgen.data: data only)
+    assert "kernelgen.data" in setuptools["packages"]
+    assert "*.json" in setuptools["package-data"]["kernelgen.data"]
 
 
 def test_packaged_defaults_carry_their_specs_current_hashes():
