@@ -123,8 +123,9 @@ def split_factor(expr: CExpr, varying) -> tuple[CExpr, CExpr] | None:
         return frozenset(m.group() for m in _TOKEN.finditer(text)
                          if m.lastgroup == "name") & expr.names
 
-    uniform = [f for f in factors if not names(f) & set(varying)]
-    rest = [f for f in factors if names(f) & set(varying)]
+    varying = frozenset(varying)
+    uniform = [f for f in factors if not names(f) & varying]
+    rest = [f for f in factors if names(f) & varying]
     if not uniform or not rest:
         return None
 

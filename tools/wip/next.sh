@@ -37,9 +37,9 @@
 #   bash tools/wip/next.sh forder  # ~1.5 min: the document forward's launch order, old against new (§101)
 #   bash tools/wip/next.sh varlen  # ~4 min: varlen's gradients by the document kernel (§102): GPU tests,
 #                                  #   then the modifier bench's backward, old (carry .ab/head) against new
-#   bash tools/wip/next.sh s40     # <= 9.5 min, one call (starts fail often): softcap's forward on
-#                                  #   pingpong tiles, the modifier bench both ways, the forward grid
-#                                  #   against cuDNN (hd128, then the other head dims as time allows)
+#   bash tools/wip/next.sh s40h    # <= 9.5 min: the whole GPU suite, then the modifier forward bench
+#   bash tools/wip/next.sh s40g    # <= 9.5 min: the modifier backward bench, the forward grid vs cuDNN
+#   bash tools/wip/next.sh s40s    # ~2.5 min: softcap's forward on pingpong tiles (config_ab --alts)
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
@@ -220,17 +220,6 @@ case $1 in
          STEPS=ncusrc T_ncusrc=120 NCU_TOP=40 NCU_CASES="flash_attn_bwd_sm90@--backward --seqlen 4096 --mod packed;flash_attn_bwd_sm90@--backward --seqlen 4096 --mod varlen" \
            bash tools/h200_run.sh 2>&1 | tee "$OUT/s33stalls.txt" | grep -E "^---|instructions|by opcode|^ *[0-9.]+% +[0-9.]+% " | cut -c1-150 | head -60
          rm -f "$OUT"/*.ncu-rep ;;
-  s40) nvidia-smi --query-gpu=name --format=csv,noheader
-         PYTHONPATH=. timeout 120 python3 tools/config_ab.py --mod softcap --head-dims 128 --seqlens 4096 \
-           --causal both --rounds 3 --alts '{"schedule": 2, "block_n": 160}' '{"schedule": 2}' \
-           '{"schedule": 2, "block_n": 176, "persistent": 0, "q_buffers": 1}' \
-           --export "$OUT/softcap.json" > "$OUT/softcap.txt" 2>&1; tail -4 "$OUT/softcap.txt"
-         for pass in fwd bwd; do
-           PYTHONPATH=. timeout 120 python3 -m kernelgen.cli bench --mods --pass $pass --seqlens 4096 \
-             --out "$OUT/mods_$pass" > "$OUT/mods_$pass.txt" 2>&1; tail -13 "$OUT/mods_$pass.txt"
-         done
-         PYTHONPATH=. timeout 200 python3 -m kernelgen.cli bench --pass fwd --head-dims 128 64 256 \
-           --systems kernelgen sdpa_cudnn --out "$OUT/grid" > "$OUT/grid.txt" 2>&1; tail -30 "$OUT/grid.txt" ;;
   s40h) # <= 9.5 min, the H200's first call: the whole GPU suite, then the modifier forward bench
          STEPS=all T_all=330 bash tools/h200_run.sh 2>&1 | tail -8
          PYTHONPATH=. timeout 210 python3 -m kernelgen.cli bench --mods --pass fwd --seqlens 4096 \
@@ -284,14 +273,6 @@ case $1 in
            kt .ab/v107 v107$c --mods packed window varlen_window document $c
            kt . new$c --mods packed window varlen_window document $c
          done | tee "$OUT/kt1.txt" ;;
-  s40w) # ~4 min: a second round of s40v's main kernels (§107's tree and this one), then the
-         # modifier backward bench on this tree
-         for c in "" --causal; do
-           kt .ab/v107 v107$c --mods packed window varlen_window document $c
-           kt . new$c --mods packed window varlen_window document $c
-         done | tee "$OUT/kt2.txt"
-         PYTHONPATH=. timeout 110 python3 -m kernelgen.cli bench --mods --pass bwd --seqlens 4096 \
-           --out "$OUT/mods_bwd" > "$OUT/mods_bwd.txt" 2>&1; tail -16 "$OUT/mods_bwd.txt" ;;
   s40z) # ~4 min: the final tree's backward GPU tests, the mask mods' memcheck, the modifier
          # backward bench
          nvidia-smi --query-gpu=name --format=csv,noheader
@@ -299,5 +280,5 @@ case $1 in
          STEPS=memcheck T_memcheck=100 RAGGED_ARGS="--mask-mods 64 128" bash tools/h200_run.sh 2>&1 | tail -2
          PYTHONPATH=. timeout 100 python3 -m kernelgen.cli bench --mods --pass bwd --seqlens 4096 \
            --out "$OUT/mods_bwd" > "$OUT/mods_bwd.txt" 2>&1; tail -16 "$OUT/mods_bwd.txt" ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40|s40h|s40g|s40p|s40f|s40v|s40w|s40z|s40s"; exit 2 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40h|s40g|s40p|s40f|s40v|s40z|s40s"; exit 2 ;;
 esac

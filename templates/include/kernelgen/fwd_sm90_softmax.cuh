@@ -64,13 +64,14 @@ __device__ __forceinline__ void softmax_step(float (&acc_s)[C::kBlockN / 2], flo
             row_max[h] = mx;
         }
         const float offset = kShift ? fmaf(shift[h], scale_log2, -m_scaled) : -m_scaled;
+        const float exp_scale = fixed ? scale_log2 * score_scale : scale_log2;
         float sum = 0.f;
         #pragma unroll
         for (int i = 0; i < kPairs; ++i)
             #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 float& x = acc_s[4 * i + 2 * h + j];
-                x = exp2_approx(fmaf(x, fixed ? scale_log2 * score_scale : scale_log2, offset));
+                x = exp2_approx(fmaf(x, exp_scale, offset));
                 if constexpr (!C::kSumMma) sum += x;  // else the P V wgmma sums P
             }
         if constexpr (!C::kSumMma)
