@@ -5,7 +5,7 @@ process, every output checked against the float32 reference (FlashAttention's ru
     python tools/config_ab.py [--key schedule --values 1 2] [--head-dims 64 128]
                               [--seqlens 1024 4096 16384] [--causal both] [--rounds 3]
                               [--config '{"block_n": 128}']   (overrides on every shape's config)
-                              [--mod softcap|alibi|window|document|packed]   (that mods spec)
+                              [--mod softcap|alibi|window|document|packed|varlen_window]
     python tools/config_ab.py --alts '{"block_n": 176, "persistent": 0}' ...
                               (the shipped config against it with each set of keys changed)
 
@@ -20,12 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import itertools
 import statistics
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from torch.nn.attention.flex_attention import and_masks
 
-from kernelgen import bench_mods, blockmask, cache, hopper, mods_sm90, tune
+from kernelgen import bench_mods, blockmask, cache, hopper, mods_sm90, packed, tune
 from kernelgen.compile import CompileError
 from kernelgen.render import render
 from kernelgen.bench import time_ms
@@ -45,6 +47,7 @@ class Case:
         self.mod, self.causal, self.head_dim = mod, causal, head_dim
         self.spec, self.values, self.block_mask = SPEC, (), None
         self.score_mod, self.mask_mod = None, None
+        self.reference_causal = causal
         pairs = batch * bench_mods.window_pairs(seqlen, seqlen, -1, -1, causal)
         if mod is not None:
             name, args = mod_args(mod, causal, heads, batch, seqlen)
@@ -59,6 +62,20 @@ class Case:
             left, right = args["window_left"], args["window_right"]
             self.mask_mod = bench_mods.window_mask_mod(left, right, 0, causal)
             pairs = batch * bench_mods.window_pairs(seqlen, seqlen, left, right, causal)
+        elif mod == "varlen_window":   # the bench's call: the batch's documents flattened
+            lengths = bench_mods.document_lengths(batch, seqlen, max(2, seqlen // 1024), seqlen)
+            flat = [n for row in lengths for n in row]
+            offsets = torch.tensor([0, *itertools.accumulate(flat)], dtype=torch.int32,
+                                   device="cuda")
+            window = bench_mods.VARLEN_WINDOW[causal]
+            start, end, *_, self.causal = packed._varlen(offsets, offsets, causal, True, window)
+            self.spec = mods_sm90.sm90_spec("flash_attn_packed")
+            self.values = (start, end)
+            ids = bench_mods.document_ids([flat]).cuda()
+            self.mask_mod = and_masks(bench_mods.document_mask_mod(ids, causal),
+                                                 bench_mods.window_mask_mod(*window, 0, causal))
+            self.reference_causal = causal   # the ranges hold the causal mask
+            pairs = bench_mods.document_pairs(lengths, causal, window)
         elif mod in ("document", "packed"):
             ids = mod_args("document", causal, heads, batch, seqlen)[1]["doc_q"]
             self.mask_mod = bench_mods.document_mask_mod(ids, causal)
@@ -88,8 +105,8 @@ class Case:
 def check(case, q, k, v, config) -> str:
     out, _ = case(q, k, v, config)
     mods = {"score_mod": case.score_mod, "mask_mod": case.mask_mod}
-    ref, _ = attention_ref(q, k, v, case.causal, upcast=True, **mods)
-    pt, _ = attention_ref(q, k, v, case.causal, upcast=False, **mods)
+    ref, _ = attention_ref(q, k, v, case.reference_causal, upcast=True, **mods)
+    pt, _ = attention_ref(q, k, v, case.reference_causal, upcast=False, **mods)
     err, err_pt = max_error(out, ref), max_error(pt, ref)
     ok = err <= 2 * err_pt + rounding_allowance(ref)
     return f"{'ok' if ok else 'WRONG'} err {err:.2e} (torch {err_pt:.2e})"
@@ -119,6 +136,8 @@ def plan(opts) -> list[tuple]:
             for seqlen in opts.seqlens:
                 batch, heads = max(1, opts.tokens // seqlen), 2048 // head_dim
                 case = Case(opts.mod, head_dim, causal, batch, seqlen, heads)
+                if opts.mod == "varlen_window":   # one sequence of the batch's tokens
+                    batch, seqlen = 1, batch * seqlen
                 base = {**case.shipped(batch, seqlen, heads), **opts.config}
                 configs = [{**base, opts.key: value} for value in opts.values] if opts.key else \
                     [base] + [{**base, **alt} for alt in opts.alts]
@@ -184,7 +203,8 @@ def main() -> None:
     p.add_argument("--export", metavar="FILE", help="the winners, for tools/merge_defaults.py")
     p.add_argument("--min-gain", type=float, default=0.015,
                    help="a winner's least gain over the shipped config (default 1.5%%)")
-    p.add_argument("--mod", help="softcap, alibi, window, document or packed: that shipped mods "
+    p.add_argument("--mod", help="softcap, alibi, window, document, packed or varlen_window "
+                   "(flash_attn_packed on the bench's varlen call's ranges): that shipped mods "
                    "spec with the bench's modifier values")
     opts = p.parse_args()
     plans = plan(opts)

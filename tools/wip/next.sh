@@ -40,6 +40,7 @@
 #   bash tools/wip/next.sh s40h    # <= 9.5 min: the whole GPU suite, then the modifier forward bench
 #   bash tools/wip/next.sh s40g    # <= 9.5 min: the modifier backward bench, the forward grid vs cuDNN
 #   bash tools/wip/next.sh s40s    # ~2.5 min: softcap's forward on pingpong tiles (config_ab --alts)
+#   bash tools/wip/next.sh s41v    # ~3 min: varlen with a window's forward on narrower KV tiles
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
@@ -235,6 +236,13 @@ case $1 in
            --causal both --rounds 3 --alts '{"schedule": 2, "block_n": 160}' '{"schedule": 2}' \
            '{"schedule": 2, "block_n": 176, "persistent": 0, "q_buffers": 1}' \
            --export "$OUT/softcap.json" > "$OUT/softcap.txt" 2>&1; tail -8 "$OUT/softcap.txt" ;;
+  s41v) # ~3 min: the bench's varlen call with a window (flash_attn_packed on its ranges, 513 /
+         # 257 keys a row) on narrower KV tiles than the shipped configs' 128-144 (tile bound ~0.7)
+         nvidia-smi --query-gpu=name --format=csv,noheader
+         PYTHONPATH=. timeout 170 python3 tools/config_ab.py --mod varlen_window --head-dims 128 \
+           --seqlens 4096 --causal both --rounds 3 --alts '{"block_n": 64}' '{"block_n": 80}' \
+           '{"block_n": 96}' '{"block_n": 112}' '{"block_n": 64, "schedule": 2}' \
+           > "$OUT/vw.txt" 2>&1; tail -8 "$OUT/vw.txt" ;;
   s40p) # where packed's backward loses to document's on the same documents (0.73 / 0.79 of plain):
          # main-kernel times, PC-sampled stalls of both, then the modifier backward bench
          nvidia-smi --query-gpu=name --format=csv,noheader
@@ -280,5 +288,5 @@ case $1 in
          STEPS=memcheck T_memcheck=100 RAGGED_ARGS="--mask-mods 64 128" bash tools/h200_run.sh 2>&1 | tail -2
          PYTHONPATH=. timeout 100 python3 -m kernelgen.cli bench --mods --pass bwd --seqlens 4096 \
            --out "$OUT/mods_bwd" > "$OUT/mods_bwd.txt" 2>&1; tail -16 "$OUT/mods_bwd.txt" ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40h|s40g|s40p|s40f|s40v|s40z|s40s"; exit 2 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40h|s40g|s40p|s40f|s40v|s40z|s40s|s41v"; exit 2 ;;
 esac
