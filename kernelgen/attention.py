@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-from kernelgen import api, backward, blockmask, ops, tune
+from kernelgen import api, backward, blockmask, env, ops, tune
 from kernelgen.spec import KernelSpec, load_spec
 
 BASE_ARGS = tuple(a.name for a in load_spec(ops.FWD_SPEC).args)
@@ -110,11 +110,43 @@ class AttentionKernel:
             block_mask.check(self.spec, self.params.get("causal", False), batch, heads, seqlen_q,
                              k.shape[1], q.device)
         if wants_grad:
+            range_mask = None if deterministic else self._range_mask(q, k, values)
             out, lse = _AttentionFunction.apply(self, scale, bool(deterministic), block_mask,
-                                                q, k, v, *values)
+                                                range_mask, q, k, v, *values)
         else:
             out, lse = self.forward(q, k, v, scale, values, block_mask)
         return (out, lse) if return_lse else out
+
+    def range_spec(self, head_dim: int, device: int, seqlen_k: int) -> KernelSpec | None:
+        """The spec whose backward this kernel's gradients run on a block mask, or None: a kv
+        range that reads tensors (flash_attn_packed's per-token bounds) where the Hopper backward
+        runs, its mods put on a block mask (load_spec's block_mask=). The kv-range backward tests
+        every query tile of a KV tile's batch against the ranges (a round of loads, then a
+        warp-wide search per step) and evaluates the bounds per element in every tile they do not
+        vouch for; the block mask lists a KV tile's query tiles, marks the fully visible ones and
+        launches a full grid's tiles shortest last, as flash_attn_document's backward does
+        (PERF_NOTES §102, §109). KERNELGEN_RANGE_BACKWARD=ranges keeps the ranges."""
+        mods = self.spec.mods
+        if (mods.block_sparse or not mods.range_reads_memory or mods.mask_mod is None
+                or env.settings().range_backward != "blockmask"):
+            return None
+        from kernelgen import backward_sm90
+
+        twin = load_spec(self.spec.path, block_mask=True)
+        if not backward_sm90.applies(head_dim, device, False, seqlen_k, twin, self.params):
+            return None
+        return twin
+
+    def _range_mask(self, q, k, values: tuple) -> blockmask.BlockMask | None:
+        """range_spec's block mask of this problem (its lists are classified, from the rows'
+        bounds, when the backward asks for its tile), or None."""
+        twin = self.range_spec(q.shape[-1], q.device.index, k.shape[1])
+        if twin is None:
+            return None
+        batch, seqlen_q, heads, _ = q.shape
+        return blockmask.create_block_mask(twin, self.params, batch, heads, seqlen_q, k.shape[1],
+                                           dict(zip((a.name for a in self.mod_args), values)),
+                                           q.device)
 
     def forward(self, q, k, v, scale: float, values: tuple, block_mask=None):
         """(out, lse) on validated inputs, without autograd; values: the mod arguments in order;
@@ -203,7 +235,8 @@ class AttentionKernel:
             gradients.check_differentiable(self.spec)
             base = gradients.main_spec_name(q.shape[-1], device, False, k.shape[1], self.spec,
                                             self.params)   # the kernel its gradients will run
-            specs.append((load_spec(self.spec.path, onto=base), named))
+            on_mask = self.range_spec(q.shape[-1], device, k.shape[1]) is not None
+            specs.append((load_spec(self.spec.path, onto=base, block_mask=on_mask), named))
         results = []
         for spec, mod_values in specs:
             params = {n: v for n, v in self.params.items() if n in {p.name for p in spec.params}}
@@ -271,12 +304,15 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, kernel: AttentionKernel, scale: float, deterministic: bool, block_mask,
-                q, k, v, *values):
+                range_mask, q, k, v, *values):
         out, lse = kernel.forward(q, k, v, scale, values, block_mask)
         tensors = [x for x in values if isinstance(x, torch.Tensor)]
         ctx.save_for_backward(q, k, v, out, lse, *tensors)
         ctx.kernel, ctx.scale, ctx.deterministic = kernel, scale, deterministic
-        ctx.block_mask = block_mask  # its lists for the backward's tiles are built there
+        # Its lists for the backward's tiles are built there. range_mask: the kv range's block
+        # mask (AttentionKernel.range_spec), for the backward only.
+        ctx.block_mask = block_mask if range_mask is None else range_mask
+        ctx.on_range_mask = range_mask is not None
         ctx.scalars = tuple(None if isinstance(x, torch.Tensor) else x for x in values)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -287,11 +323,12 @@ class _AttentionFunction(torch.autograd.Function):
         given = iter(tensors)
         values = tuple(next(given) if x is None else x for x in ctx.scalars)
         kernel = ctx.kernel
-        mods = backward.ModArgs(kernel.spec, kernel.variant.params, values, ctx.block_mask)
+        spec = load_spec(kernel.spec.path, block_mask=True) if ctx.on_range_mask else kernel.spec
+        mods = backward.ModArgs(spec, kernel.variant.params, values, ctx.block_mask)
         dq, dk, dv = backward.flash_attn_backward(
             dout, q, k, v, out, lse, bool(kernel.params.get("causal", False)), ctx.scale,
             ctx.deterministic, mods=mods)
-        return (None, None, None, None, dq, dk, dv, *(None for _ in values))
+        return (None, None, None, None, None, dq, dk, dv, *(None for _ in values))
 
 
 def load(spec, *, arch: str | None = None, config=None, **params):

@@ -60,7 +60,8 @@ def _backward_spec(name: str, mods: ModArgs | None) -> KernelSpec:
     if mods is None:
         return load_spec(name)
     check_differentiable(mods.spec)
-    return load_spec(mods.spec.path, onto=name)
+    # A spec's mods on a block mask (load_spec's block_mask=) stay on it.
+    return load_spec(mods.spec.path, onto=name, block_mask=mods.spec.mods.block_sparse)
 
 
 # Per (variant, device, deterministic, problem): a repeated call is one dict lookup, as ops' plans.

@@ -41,7 +41,9 @@ def main_spec(mods: KernelSpec | None = None) -> KernelSpec:
     """This spec, or a spec with mods put onto it."""
     from kernelgen.spec import load_spec
 
-    return load_spec(SPEC) if mods is None else load_spec(mods.path, onto=SPEC)
+    if mods is None:
+        return load_spec(SPEC)
+    return load_spec(mods.path, onto=SPEC, block_mask=mods.mods.block_sparse)
 
 
 def applies(head_dim: int, device: int, deterministic: bool, seqlen_k: int,

@@ -24,6 +24,9 @@ class Settings:
     debug: int
     autotune: bool
     backward: str  # KERNELGEN_BACKWARD: "auto" (by GPU) or "sm80" (the mma.sync main kernel)
+    # KERNELGEN_RANGE_BACKWARD: "blockmask" (a kv range that reads tensors runs its Hopper
+    # backward on a block mask built from the ranges) or "ranges" (on the ranges themselves)
+    range_backward: str = "blockmask"
 
 
 def _flag(name: str) -> bool:
@@ -57,6 +60,17 @@ def _backward_family() -> str:
     return text
 
 
+_RANGE_BACKWARDS = ("blockmask", "ranges")
+
+
+def _range_backward() -> str:
+    text = os.environ.get("KERNELGEN_RANGE_BACKWARD", "").strip().lower() or "blockmask"
+    if text not in _RANGE_BACKWARDS:
+        raise SettingsError(f"KERNELGEN_RANGE_BACKWARD={os.environ['KERNELGEN_RANGE_BACKWARD']!r}: "
+                            f"not a choice; allowed: {', '.join(_RANGE_BACKWARDS)}")
+    return text
+
+
 def _cache_dir() -> Path:
     explicit = os.environ.get("KERNELGEN_CACHE_DIR")
     if explicit:
@@ -80,6 +94,7 @@ def settings() -> Settings:
         debug=_debug_level(),
         autotune=_flag("KERNELGEN_AUTOTUNE"),
         backward=_backward_family(),
+        range_backward=_range_backward(),
     )
 
 

@@ -168,6 +168,9 @@ MOD_CONTEXTS = {
 }
 DISTANCE_SLOPES_KEYS = ("before", "after")
 KV_RANGE_KEYS = ("lo", "hi", "full_lo", "full_hi")
+# load_spec(block_mask=True)'s name suffix: a spec's mods put on a block mask.
+BLOCK_MASK_SUFFIX = "_bm"
+
 # `mods.block_sparse: true` adds these kernel arguments after the mod args: a block mask's lists
 # for the kernel's tile (kernelgen/blockmask.py). Row r = batch * bm_stride_b + head * bm_stride_h
 # + block (a query block: forward and dQ kernels; a KV block: the backward's main kernel) has
@@ -590,7 +593,7 @@ def _read_yaml(text: bytes, at: _At) -> dict:
 
 
 def _extended(text: bytes, path: Path, at: _At, seen: tuple[Path, ...] = (),
-              onto: str | None = None) -> tuple[dict, bytes]:
+              onto: str | None = None, block_mask: bool = False) -> tuple[dict, bytes]:
     """The spec's top-level mapping with `extends:` resolved, and the bytes its hash covers.
 
     The child's keys replace the base's, except `params`, `derived` and `tune`, which are merged
@@ -598,20 +601,31 @@ def _extended(text: bytes, path: Path, at: _At, seen: tuple[Path, ...] = (),
     base's space and constraints). The base's template is kept unless the child names one.
     `onto`: extend that spec instead of the one named (see load_spec), without the child's
     `tune` (written for the other base's space), under the name `<child>__<onto>`; the child's
-    `onto: {<base name>: {tune: ...}}` section for that base, if any, gives the tune instead."""
+    `onto: {<base name>: {tune: ...}}` section for that base, if any, gives the tune instead.
+    `block_mask`: the child's mods with `block_sparse: true` (see load_spec), under the name
+    `<child>_bm` where its own mods are not block-sparse already."""
     try:
         doc = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError:
         return _read_yaml(text, at), text  # _read_yaml reports the error with its line
     if not isinstance(doc, dict) or "extends" not in doc:
-        if onto is not None:
-            raise at.error(f"only a spec that extends another can be put onto {onto!r}",
-                           "a spec with `extends:`")
+        if onto is not None or block_mask:
+            raise at.error(f"only a spec that extends another can be put onto "
+                           f"{onto or 'a block mask'!r}", "a spec with `extends:`")
         return _read_yaml(text, at), text
     base_name = doc.pop("extends")
     sections = _mapping(doc.pop("onto", {}), at["onto"])
     for base_key, section in sections.items():
         _keys(section, at["onto"][base_key], (), ("tune",))
+    if block_mask:
+        mods = doc.get("mods")
+        if not isinstance(mods, dict) or "mask_mod" not in mods:
+            raise at.error("only a spec with a mods.mask_mod can run on a block mask",
+                           "mods.mask_mod")
+        if mods.get("block_sparse") is not True:
+            doc["mods"] = {**mods, "block_sparse": True}
+            doc["name"] = f"{doc.get('name')}{BLOCK_MASK_SUFFIX}"
+            text = text + b"\0block_sparse"   # the hash tells the two apart
     if onto is not None:
         base_name = onto
         doc.pop("tune", None)
@@ -745,9 +759,10 @@ def _launch(value, at: _At, names: list[str]) -> tuple:
             _formula(launch.get("smem", "0"), at["smem"], names))
 
 
-def _parse(path: Path, text: bytes, onto: str | None = None) -> KernelSpec:
+def _parse(path: Path, text: bytes, onto: str | None = None,
+           block_mask: bool = False) -> KernelSpec:
     at = _At(_display(path))
-    top, hashed = _extended(text, path, at, onto=onto)
+    top, hashed = _extended(text, path, at, onto=onto, block_mask=block_mask)
     name = _identifier(top["name"], at["name"])
     names = _Names()
     params = tuple(_param(names.define(key, at["params"][key]), value, at["params"][key])
@@ -819,17 +834,33 @@ def _stamp(path: Path) -> tuple[int, int] | None:
 _loaded: dict[tuple[Path, str | None], tuple[tuple, KernelSpec]] = {}
 
 
-def load_spec(spec: str | Path, onto: str | None = None) -> KernelSpec:
+def load_spec(spec: str | Path, onto: str | None = None, block_mask: bool = False) -> KernelSpec:
     """The spec of a shipped name or a .yaml path. `onto`: a spec that extends one base (a mods
     spec extending flash_attn_fwd, say) put onto another base instead (flash_attn_bwd: the same
     mods in the backward; flash_attn_fwd_sm90: in the Hopper forward), with that base's tune
-    space and defaults, named `<spec>__<onto>`; its expressions keep their file and lines."""
+    space and defaults, named `<spec>__<onto>`; its expressions keep their file and lines.
+    `block_mask`: the spec's mods with `block_sparse: true`, named `<spec>_bm` (`<spec>_bm__<onto>`)
+    unless its file says so already: a kv range's backward runs on a block mask built from its
+    ranges (attention.py; PERF_NOTES §109)."""
     path = _locate(spec)
-    cached = _loaded.get((path, onto))
+    key = (path, onto, block_mask)
+    cached = _loaded.get(key)
     # The template is part of content_hash, so an edit to either one reloads.
     if cached and cached[0] == (_stamp(path), _stamp(cached[1].template)):
         return cached[1]
     stamp = _stamp(path)  # before reading: an edit during the read then reloads next time
-    loaded = _parse(path, path.read_bytes(), onto)
-    _loaded[(path, onto)] = ((stamp, _stamp(loaded.template)), loaded)
+    loaded = _parse(path, path.read_bytes(), onto, block_mask)
+    _loaded[key] = ((stamp, _stamp(loaded.template)), loaded)
     return loaded
+
+
+def load_named(name: str) -> KernelSpec:
+    """The spec a loaded spec's name stands for (`<spec>[_bm][__<onto>]`, as load_spec names
+    them), for the tuning DB's rows."""
+    child, _, onto = name.partition("__")
+    try:
+        return load_spec(child, onto=onto or None)
+    except SpecError:
+        if not child.endswith(BLOCK_MASK_SUFFIX):
+            raise
+    return load_spec(child[:-len(BLOCK_MASK_SUFFIX)], onto=onto or None, block_mask=True)

@@ -35,7 +35,7 @@ from pathlib import Path
 from kernelgen import cache, env, tunedb
 from kernelgen.compile_child import compile_isolated
 from kernelgen.search import Trial, build, choose, prune, search
-from kernelgen.spec import Config, KernelSpec, SpecError, Variant, load_spec
+from kernelgen.spec import Config, KernelSpec, SpecError, Variant, load_named, load_spec
 from kernelgen.tunedb import Identity
 
 log = logging.getLogger("kernelgen.tune")
@@ -448,10 +448,10 @@ def export_defaults(path: Path, db: tunedb.TuneDB | None = None) -> int:
         if run["config"] is None:
             continue
         if run["spec"] not in hashes:
-            # `<spec>__<base>`: a mods spec put onto another base (load_spec's onto=).
-            child, onto, base = run["spec"].partition("__")
+            # `<spec>[_bm]__<base>`: a mods spec put onto another base (load_spec's onto=),
+            # maybe on a block mask (block_mask=).
             try:
-                hashes[run["spec"]] = load_spec(child, onto=base if onto else None).content_hash
+                hashes[run["spec"]] = load_named(run["spec"]).content_hash
             except SpecError:   # not a shipped spec
                 hashes[run["spec"]] = None
         if run["spec_hash"] != hashes[run["spec"]]:

@@ -78,24 +78,26 @@ def launcher(lazy: bool):
 
 
 def check(q, k, v, dout, causal, config=None, lazy=False, *, mods=None, mod_values=(),
-          block_mask=None, score_mod=None, mask_mod=None):
+          block_mask=None, score_mod=None, mask_mod=None, on_mask=False):
     """mods: a spec with mods (name or path) put onto the kernel, run with `mod_values` (its
     mod arguments in order; a block-sparse spec's lists come from `block_mask`, as
-    backward._mod_arguments hands them); score_mod / mask_mod: the same modification for the
-    reference."""
+    backward._mod_arguments hands them; on_mask: the spec's mods put on a block mask, as a kv
+    range's backward runs them, load_spec's block_mask=); score_mod / mask_mod: the same
+    modification for the reference."""
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim)
     out, lse = attention_ref(q, k, v, causal, scale, score_mod=score_mod, mask_mod=mask_mod)
     dtype = NAMES[q.dtype]
-    main = backward_sm90.SPEC if mods is None else load_spec(mods, onto=backward_sm90.SPEC)
+    main = (backward_sm90.SPEC if mods is None
+            else load_spec(mods, onto=backward_sm90.SPEC, block_mask=on_mask))
     kernels = backward._Kernels(Emulated(backward.PREP_SPEC, dtype=dtype),
                                 Emulated(main, config, head_dim=head_dim,
                                          dtype=dtype, causal=causal),
                                 None)
     mod_args = ()
     if mods is not None:
-        args = backward.ModArgs(load_spec(mods), kernels.main.variant.params, tuple(mod_values),
-                                block_mask)
+        args = backward.ModArgs(load_spec(mods, block_mask=on_mask), kernels.main.variant.params,
+                                tuple(mod_values), block_mask)
         mod_args, _ = backward._mod_arguments(args, kernels, q, k)
     # Poisoned outputs: every element the kernels should write starts as NaN.
     buffers = backward._Buffers(*(torch.full_like(t, float("nan")) for t in backward._buffers(
@@ -289,6 +291,51 @@ def test_packed_long_walk():
     visible = ((keys >= start[0, :, None]) & (keys < end[0, :, None]))[None, None]
     check(q, k, v, dout, False, {"block_m": 64, "block_n": 128, "stages": 2}, True,
           mods="flash_attn_packed", mod_values=(start, end), mask_mod=lambda *_: visible)
+
+
+def classified_ranges(start, end, causal, seqlen_k, tile):
+    """The classify kernel of flash_attn_packed (its exact range: each row's bounds, not the
+    mask_mod per element) on the emulator, at tile (block_m, block_n)."""
+    spec = load_spec("flash_attn_packed", onto=str(blockmask.CLASSIFY_SPEC))
+    variant = spec.variant(head_dim=64, dtype="bf16", causal=causal)
+    batch, seqlen_q = start.shape
+    state = torch.full((batch, 1, -(-seqlen_q // tile[0]), -(-seqlen_k // tile[1])), 9,
+                       dtype=torch.uint8)
+    emulate.run(spec, variant, spec.default_config(variant),
+                dict(state=state, seqlen_q=seqlen_q, seqlen_k=seqlen_k, tile_m=tile[0],
+                     tile_n=tile[1], mask_batch=batch, mask_heads=1, doc_start=start,
+                     doc_end=end))
+    return state
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_on_block_mask(causal):
+    """flash_attn_packed's backward as AttentionKernel.range_spec runs it (PERF_NOTES §109): its
+    mods on a block mask classified from the ranges. Varlen sequences with a sliding window
+    (left 45, and right 30 when full), GQA 2:1. Full: unequal query and key lengths, causal
+    folded into nothing, the grid in the mask's launch order; causal: equal offsets, the
+    kernel's own causal mask, the window's left side in the ranges. The classify kernel's
+    per-row path matches the dense oracle at the backward's tile and a small one (empty, partial
+    and full tiles all occur), then the gradients match the reference."""
+    from kernelgen.packed import _varlen
+    cu_q = torch.tensor([0, 70, 75, 210, 330, 400], dtype=torch.int32)
+    cu_k = cu_q if causal else torch.tensor([0, 50, 130, 260, 270, 420], dtype=torch.int32)
+    start, end, *_, kernel_causal = _varlen(cu_q, cu_k, causal, True, (45, -1 if causal else 30))
+    assert kernel_causal == causal
+    seqlen_q, seqlen_k = int(cu_q[-1]), int(cu_k[-1])
+    keys = torch.arange(seqlen_k)
+    visible = ((keys >= start[0, :, None]) & (keys < end[0, :, None]))[None, None]
+    for tile in ((64, 128), (16, 32)):
+        state = classified_ranges(start, end, causal, seqlen_k, tile)
+        assert torch.equal(state, blockmask.classify_dense(visible, causal, *tile))
+        assert {0, 1, 2} <= set(state.unique().tolist())
+    twin = load_spec("flash_attn_packed", block_mask=True)
+    mask = blockmask.BlockMask(twin.name, causal, 1, None, seqlen_q, seqlen_k, torch.device("cpu"),
+                               lambda m, n: classified_ranges(start, end, causal, seqlen_k, (m, n)))
+    q, k, v, dout = qkv_dout(1, seqlen_q, seqlen_k, 2, 1, 128, torch.bfloat16)
+    check(q, k, v, dout, causal, {"block_m": 64, "block_n": 128, "stages": 2}, not causal,
+          mods="flash_attn_packed", mod_values=(start, end), block_mask=mask,
+          mask_mod=lambda *_: visible, on_mask=True)
 
 
 @pytest.mark.parametrize("prefix", [0, 150])

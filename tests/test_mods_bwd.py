@@ -183,7 +183,7 @@ def test_autograd_hands_the_mods_to_the_backward(monkeypatch):
     q, k, v = (torch.randn(1, n, h, 64, dtype=torch.bfloat16, requires_grad=True)
                for n, h in ((9, 4), (13, 2), (13, 2)))
     slopes = torch.rand(4)
-    out, lse = attention._AttentionFunction.apply(kernel, 0.125, True, None, q, k, v, slopes, 0)
+    out, lse = attention._AttentionFunction.apply(kernel, 0.125, True, None, None, q, k, v, slopes, 0)
     assert not lse.requires_grad
     out.float().square().sum().backward()
     (causal, scale, deterministic, mods), = calls
@@ -196,7 +196,7 @@ def test_autograd_hands_the_mods_to_the_backward(monkeypatch):
     for got, want in zip((q, k, v), leaves):
         assert torch.equal(got.grad, want.grad)
     # A mod tensor changed in place between forward and backward is caught (saved tensors).
-    out, _ = attention._AttentionFunction.apply(kernel, 0.125, False, None, q, k, v, slopes, 0)
+    out, _ = attention._AttentionFunction.apply(kernel, 0.125, False, None, None, q, k, v, slopes, 0)
     slopes.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
@@ -209,6 +209,7 @@ def test_autograd_hands_the_mods_to_the_backward(monkeypatch):
 SM90_EXCLUDED = {"flash_attn_window": {(96, False), (96, True)},
                  "flash_attn_document": {(96, False)},
                  "flash_attn_packed": {(96, False), (96, True)},
+                 "flash_attn_packed_bm": {(96, False), (96, True)},
                  "prefix_lm": {(96, False)}}
 
 
@@ -216,8 +217,12 @@ def sm90_jobs(dtype="bf16"):
     from kernelgen import backward_sm90
 
     jobs, excluded = [], {}
-    for name in MOD_SPECS:
-        spec = load_spec(name, onto=backward_sm90.SPEC)
+    specs = [load_spec(name, onto=backward_sm90.SPEC) for name in MOD_SPECS]
+    # A kv range that reads tensors also runs its backward on a block mask (load_spec's
+    # block_mask=, AttentionKernel.range_spec).
+    specs += [load_spec(spec.path, onto=backward_sm90.SPEC, block_mask=True) for spec in specs
+              if spec.mods.range_reads_memory and not spec.mods.block_sparse]
+    for spec in specs:
         for variant in spec.variants():
             if variant["dtype"] != dtype:
                 continue
@@ -239,7 +244,7 @@ def test_backward_sm90_of_every_mod_spec_compiles_clean(cache_dir):
 
     jobs, excluded = sm90_jobs()
     assert excluded == SM90_EXCLUDED
-    assert len(jobs) == 5 * 6 + 3 - 6   # prefix_lm pins causal to false
+    assert len(jobs) == 5 * 6 + 3 - 6 + 4   # prefix_lm pins causal to false; packed_bm
 
     def build(job):
         spec, variant, config = job

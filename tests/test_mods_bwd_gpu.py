@@ -162,15 +162,23 @@ def test_document_block_mask_as_ranges(causal):
                                  return_lse=True), q, k, v, causal, mask_mod=lambda *_: same)
 
 
+@pytest.mark.parametrize("range_backward", ["blockmask", "ranges"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_packed_documents(causal, head_dim):
+def test_packed_documents(main_kernel, causal, head_dim, range_backward, monkeypatch):
     """flash_attn_packed's gradients (test_mods_gpu's inputs: seqlen_q != seqlen_k, GQA, a query
-    document with no keys)."""
+    document with no keys), on the Hopper family by either backward (KERNELGEN_RANGE_BACKWARD):
+    on a block mask classified from the ranges (AttentionKernel.range_spec), or on the ranges."""
+    monkeypatch.setenv("KERNELGEN_RANGE_BACKWARD", range_backward)
+    env.reload_settings()
     (start, end), (q, k, v), same = packed_documents(head_dim)
     kernel = kernelgen.load("flash_attn_packed", head_dim=head_dim, dtype="bf16", causal=causal)
     check(lambda q, k, v: kernel(q, k, v, doc_start=start, doc_end=end, return_lse=True),
           q, k, v, causal, mask_mod=lambda *_: same)
+    on_mask = "_bm" if range_backward == "blockmask" else ""
+    expected = (f"flash_attn_packed{on_mask}__{backward_sm90.SPEC}" if main_kernel == "sm90"
+                else f"flash_attn_packed__{backward.MAIN_SPEC}")
+    assert main_kernels() == {expected}
 
 
 @pytest.mark.parametrize("case, causal, window", [
@@ -182,8 +190,8 @@ def test_varlen_func(main_kernel, case, causal, window):
     kernel's causal variant), and which backward ran them (packed._document_route): on the
     Hopper family flash_attn_document's over the sequences (its block mask kept with the
     offsets) for full attention and causal at the same offsets; causal at other offsets (folded
-    into the ranges), a window's folded ranges and the mma.sync family keep the kv-range
-    kernel's."""
+    into the ranges) and a window's folded ranges flash_attn_packed's on a block mask of its
+    ranges (AttentionKernel.range_spec); the mma.sync family the kv-range kernel's."""
     from kernelgen import packed
 
     if case == "causal_same_offsets":
@@ -209,6 +217,11 @@ def test_varlen_func(main_kernel, case, causal, window):
         (route,) = routes
         assert route.kernel.spec.name == "flash_attn_document" and route.mask.causal == causal
         assert route.mask.ranges is not None   # so its forward runs flash_attn_packed's kernel
+        assert main_kernels() == {f"flash_attn_document__{backward_sm90.SPEC}"}
+    elif main_kernel == "sm90":   # the ranges on a block mask (AttentionKernel.range_spec)
+        assert main_kernels() == {f"flash_attn_packed_bm__{backward_sm90.SPEC}"}
+    else:
+        assert main_kernels() == {f"flash_attn_packed__{backward.MAIN_SPEC}"}
 
 
 def test_tutorial_prefix_lm():

@@ -41,6 +41,8 @@
 #   bash tools/wip/next.sh s40g    # <= 9.5 min: the modifier backward bench, the forward grid vs cuDNN
 #   bash tools/wip/next.sh s40s    # ~2.5 min: softcap's forward on pingpong tiles (config_ab --alts)
 #   bash tools/wip/next.sh s41v    # ~3 min: varlen with a window's forward on narrower KV tiles
+#   bash tools/wip/next.sh s41a    # <= 9.5 min: §109's GPU tests, then the kv-range backward on its
+#                                  #   ranges against on a block mask (KERNELGEN_RANGE_BACKWARD), kernel times
 set -o pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
@@ -236,6 +238,15 @@ case $1 in
            --causal both --rounds 3 --alts '{"schedule": 2, "block_n": 160}' '{"schedule": 2}' \
            '{"schedule": 2, "block_n": 176, "persistent": 0, "q_buffers": 1}' \
            --export "$OUT/softcap.json" > "$OUT/softcap.txt" 2>&1; tail -8 "$OUT/softcap.txt" ;;
+  s41a) # <= 9.5 min: the packed / varlen gradient tests (both range backwards), then kernel times
+         # of the bench's packed and varlen-with-a-window backward, on the ranges and on a block mask
+         nvidia-smi --query-gpu=name --format=csv,noheader
+         PYTHONPATH=. timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 \
+           tests/test_mods_bwd_gpu.py tests/test_blockmask_gpu.py -k "packed or varlen or block" \
+           > "$OUT/tests.txt" 2>&1; tail -4 "$OUT/tests.txt"
+         for c in "" --causal; do for m in ranges blockmask; do
+           KERNELGEN_RANGE_BACKWARD=$m kt . $m$c --mods packed varlen_window $c; done; done \
+           | tee "$OUT/kt.txt" ;;
   s41v) # ~3 min: the bench's varlen call with a window (flash_attn_packed on its ranges, 513 /
          # 257 keys a row) on narrower KV tiles than the shipped configs' 128-144 (tile bound ~0.7)
          nvidia-smi --query-gpu=name --format=csv,noheader
@@ -288,5 +299,5 @@ case $1 in
          STEPS=memcheck T_memcheck=100 RAGGED_ARGS="--mask-mods 64 128" bash tools/h200_run.sh 2>&1 | tail -2
          PYTHONPATH=. timeout 100 python3 -m kernelgen.cli bench --mods --pass bwd --seqlens 4096 \
            --out "$OUT/mods_bwd" > "$OUT/mods_bwd.txt" 2>&1; tail -16 "$OUT/mods_bwd.txt" ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40h|s40g|s40p|s40f|s40v|s40z|s40s|s41v"; exit 2 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40h|s40g|s40p|s40f|s40v|s40z|s40s|s41v|s41a"; exit 2 ;;
 esac
