@@ -8,6 +8,7 @@ k and v (the backward runs the same mods: backward.ModArgs). flash_attn_func's b
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 
 import torch
 
@@ -21,6 +22,11 @@ DOCUMENT_SPEC, PACKED_SPEC = "flash_attn_document", "flash_attn_packed"
 def is_attention_spec(spec: KernelSpec) -> bool:
     """Specs whose kernel takes the forward's arguments first (those that extend flash_attn_fwd)."""
     return tuple(a.name for a in spec.args[: len(BASE_ARGS)]) == BASE_ARGS
+
+
+# How many range masks an AttentionKernel keeps (micro-batches in flight; each holds a few int32
+# tensors of batch x tiles^2 per tile size asked for).
+_RANGE_MASKS = 4
 
 
 class AttentionKernel:
@@ -38,6 +44,7 @@ class AttentionKernel:
         if arch is None and torch.cuda.is_available():
             arch = api.pick_arch(spec)
         self._kernels: dict[str, api.BoundKernel] = {}
+        self._range_masks: OrderedDict = OrderedDict()   # _range_mask's, per problem and ranges
         if arch is not None:
             self.kernel(arch)
 
@@ -139,14 +146,26 @@ class AttentionKernel:
 
     def _range_mask(self, q, k, values: tuple) -> blockmask.BlockMask | None:
         """range_spec's block mask of this problem (its lists are classified, from the rows'
-        bounds, when the backward asks for its tile), or None."""
+        bounds, when the backward asks for its tile), or None. Kept per problem and mod
+        arguments (each tensor by identity and version counter, and referenced so that its id
+        is not reused; an in-place change makes a new mask): a model's layers call with the same
+        ranges, and classify, compact and order them once."""
         twin = self.range_spec(q.shape[-1], q.device.index, k.shape[1])
         if twin is None:
             return None
         batch, seqlen_q, heads, _ = q.shape
-        return blockmask.create_block_mask(twin, self.params, batch, heads, seqlen_q, k.shape[1],
-                                           dict(zip((a.name for a in self.mod_args), values)),
-                                           q.device)
+        key = (batch, heads, seqlen_q, k.shape[1], q.device,
+               *((id(x), x._version) if isinstance(x, torch.Tensor) else x for x in values))
+        found = self._range_masks.get(key)
+        if found is None:
+            found = (values, blockmask.create_block_mask(
+                twin, self.params, batch, heads, seqlen_q, k.shape[1],
+                dict(zip((a.name for a in self.mod_args), values)), q.device))
+            if len(self._range_masks) >= _RANGE_MASKS:
+                self._range_masks.popitem(last=False)
+            self._range_masks[key] = found
+        self._range_masks.move_to_end(key)
+        return found[1]
 
     def forward(self, q, k, v, scale: float, values: tuple, block_mask=None):
         """(out, lse) on validated inputs, without autograd; values: the mod arguments in order;

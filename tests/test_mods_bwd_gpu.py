@@ -181,6 +181,22 @@ def test_packed_documents(main_kernel, causal, head_dim, range_backward, monkeyp
     assert main_kernels() == {expected}
 
 
+def test_packed_range_mask_is_kept(main_kernel):
+    """The block mask of a kv range's backward is built once per ranges (the same tensors, not
+    changed in place) and problem; an in-place change of the ranges builds another."""
+    if main_kernel != "sm90":
+        pytest.skip("the block mask is the Hopper backward's")
+    (start, end), (q, k, v), same = packed_documents(128)
+    kernel = kernelgen.load("flash_attn_packed", head_dim=128, dtype="bf16", causal=False)
+    run = lambda q, k, v: kernel(q, k, v, doc_start=start, doc_end=end, return_lse=True)  # noqa: E731
+    check(run, q, k, v, mask_mod=lambda *_: same)
+    check(run, q, k, v, mask_mod=lambda *_: same)
+    assert len(kernel._range_masks) == 1
+    end.add_(0)   # the same values, a new version: not trusted to be the same
+    check(run, q, k, v, mask_mod=lambda *_: same)
+    assert len(kernel._range_masks) == 2
+
+
 @pytest.mark.parametrize("case, causal, window", [
     ("full", False, (-1, -1)), ("causal_same_offsets", True, (-1, -1)), ("causal", True, (-1, -1)),
     ("window", False, (40, 9)), ("causal_window", True, (70, -1))])
