@@ -49,25 +49,12 @@ def _debug_level() -> int:
     return level
 
 
-_BACKWARD_FAMILIES = ("auto", "sm80")
-
-
-def _backward_family() -> str:
-    text = os.environ.get("KERNELGEN_BACKWARD", "").strip().lower() or "auto"
-    if text not in _BACKWARD_FAMILIES:
-        raise SettingsError(f"KERNELGEN_BACKWARD={os.environ['KERNELGEN_BACKWARD']!r}: not a "
-                            f"backward family; allowed: {', '.join(_BACKWARD_FAMILIES)}")
-    return text
-
-
-_RANGE_BACKWARDS = ("blockmask", "ranges")
-
-
-def _range_backward() -> str:
-    text = os.environ.get("KERNELGEN_RANGE_BACKWARD", "").strip().lower() or "blockmask"
-    if text not in _RANGE_BACKWARDS:
-        raise SettingsError(f"KERNELGEN_RANGE_BACKWARD={os.environ['KERNELGEN_RANGE_BACKWARD']!r}: "
-                            f"not a choice; allowed: {', '.join(_RANGE_BACKWARDS)}")
+def _choice(name: str, allowed: tuple[str, ...], what: str) -> str:
+    """The variable's value (lower case), allowed[0] where it is unset or empty."""
+    text = os.environ.get(name, "").strip().lower() or allowed[0]
+    if text not in allowed:
+        raise SettingsError(f"{name}={os.environ[name]!r}: not {what}; allowed: "
+                            f"{', '.join(allowed)}")
     return text
 
 
@@ -93,8 +80,8 @@ def settings() -> Settings:
         dump_sources=_flag("KERNELGEN_DUMP_SOURCES"),
         debug=_debug_level(),
         autotune=_flag("KERNELGEN_AUTOTUNE"),
-        backward=_backward_family(),
-        range_backward=_range_backward(),
+        backward=_choice("KERNELGEN_BACKWARD", ("auto", "sm80"), "a backward family"),
+        range_backward=_choice("KERNELGEN_RANGE_BACKWARD", ("blockmask", "ranges"), "a choice"),
     )
 
 
