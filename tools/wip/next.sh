@@ -49,7 +49,7 @@ export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 cd "$R" || exit 1
 # The backward main kernels' times (tools/wip/bwd_kernels.py) of the tree at $1, lines tagged $2.
-kt() { (cd "$1" && PYTHONPATH=. timeout 100 python3 "$R/tools/wip/bwd_kernels.py" "${@:3}" 2>&1 \
+kt() { (cd "$1" && PYTHONPATH=. timeout ${KT_T:-100} python3 "$R/tools/wip/bwd_kernels.py" "${@:3}" 2>&1 \
          | grep -E "^---|bwd_sm90" | sed "s|^|$2 |"); }
 BWD_GPU_TESTS="tests/test_bwd_sm90_gpu.py tests/test_mods_bwd_gpu.py"
 case $1 in
@@ -241,7 +241,7 @@ case $1 in
   s41a) # <= 9.5 min: the packed / varlen gradient tests (both range backwards), then kernel times
          # of the bench's packed and varlen-with-a-window backward, on the ranges and on a block mask
          nvidia-smi --query-gpu=name --format=csv,noheader
-         PYTHONPATH=. timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 \
+         PYTHONPATH=. timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 \
            tests/test_mods_bwd_gpu.py tests/test_blockmask_gpu.py -k "packed or varlen or block" \
            > "$OUT/tests.txt" 2>&1; tail -4 "$OUT/tests.txt"
          for c in "" --causal; do for m in ranges blockmask; do
