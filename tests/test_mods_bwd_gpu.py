@@ -235,7 +235,8 @@ def test_varlen_func(main_kernel, case, causal, window):
         assert route.mask.ranges is not None   # so its forward runs flash_attn_packed's kernel
         assert main_kernels() == {f"flash_attn_document__{backward_sm90.SPEC}"}
     elif main_kernel == "sm90":   # the ranges on a block mask (AttentionKernel.range_spec)
-        assert main_kernels() == {f"flash_attn_packed_bm__{backward_sm90.SPEC}"}
+        on_mask = "_bm" if env.settings().range_backward == "blockmask" else ""
+        assert main_kernels() == {f"flash_attn_packed{on_mask}__{backward_sm90.SPEC}"}
     else:
         assert main_kernels() == {f"flash_attn_packed__{backward.MAIN_SPEC}"}
 
