@@ -132,7 +132,8 @@ class AttentionKernel:
         warp-wide search per step) and evaluates the bounds per element in every tile they do not
         vouch for; the block mask lists a KV tile's query tiles, marks the fully visible ones and
         launches a full grid's tiles shortest last, as flash_attn_document's backward does
-        (PERF_NOTES §102, §109). KERNELGEN_RANGE_BACKWARD=ranges keeps the ranges."""
+        (PERF_NOTES §102, §109). Taken with KERNELGEN_RANGE_BACKWARD=blockmask only, until it
+        has run on a GPU; the default keeps the ranges."""
         mods = self.spec.mods
         if (mods.block_sparse or not mods.range_reads_memory or mods.mask_mod is None
                 or env.settings().range_backward != "blockmask"):

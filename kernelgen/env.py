@@ -24,9 +24,10 @@ class Settings:
     debug: int
     autotune: bool
     backward: str  # KERNELGEN_BACKWARD: "auto" (by GPU) or "sm80" (the mma.sync main kernel)
-    # KERNELGEN_RANGE_BACKWARD: "blockmask" (a kv range that reads tensors runs its Hopper
-    # backward on a block mask built from the ranges) or "ranges" (on the ranges themselves)
-    range_backward: str = "blockmask"
+    # KERNELGEN_RANGE_BACKWARD: "ranges" (a kv range that reads tensors runs its Hopper backward
+    # on the ranges themselves) or "blockmask" (on a block mask built from them: PERF_NOTES §109,
+    # not yet run on a GPU, so not the default)
+    range_backward: str = "ranges"
 
 
 def _flag(name: str) -> bool:
@@ -81,7 +82,7 @@ def settings() -> Settings:
         debug=_debug_level(),
         autotune=_flag("KERNELGEN_AUTOTUNE"),
         backward=_choice("KERNELGEN_BACKWARD", ("auto", "sm80"), "a backward family"),
-        range_backward=_choice("KERNELGEN_RANGE_BACKWARD", ("blockmask", "ranges"), "a choice"),
+        range_backward=_choice("KERNELGEN_RANGE_BACKWARD", ("ranges", "blockmask"), "a choice"),
     )
 
 

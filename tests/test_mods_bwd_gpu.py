@@ -181,11 +181,13 @@ def test_packed_documents(main_kernel, causal, head_dim, range_backward, monkeyp
     assert main_kernels() == {expected}
 
 
-def test_packed_range_mask_is_kept(main_kernel):
+def test_packed_range_mask_is_kept(main_kernel, monkeypatch):
     """The block mask of a kv range's backward is built once per ranges (the same tensors, not
     changed in place) and problem; an in-place change of the ranges builds another."""
     if main_kernel != "sm90":
         pytest.skip("the block mask is the Hopper backward's")
+    monkeypatch.setenv("KERNELGEN_RANGE_BACKWARD", "blockmask")
+    env.reload_settings()
     (start, end), (q, k, v), same = packed_documents(128)
     kernel = kernelgen.load("flash_attn_packed", head_dim=128, dtype="bf16", causal=False)
     run = lambda q, k, v: kernel(q, k, v, doc_start=start, doc_end=end, return_lse=True)  # noqa: E731

@@ -241,7 +241,7 @@ case $1 in
   s41a) # <= 9.5 min: the packed / varlen gradient tests (both range backwards), then kernel times
          # of the bench's packed and varlen-with-a-window backward, on the ranges and on a block mask
          nvidia-smi --query-gpu=name --format=csv,noheader
-         PYTHONPATH=. timeout ${TESTS_T:-150} python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 \
+         KERNELGEN_RANGE_BACKWARD=blockmask PYTHONPATH=. timeout ${TESTS_T:-150} python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 \
            tests/test_mods_bwd_gpu.py tests/test_blockmask_gpu.py -k "packed or varlen or block" \
            > "$OUT/tests.txt" 2>&1; tail -4 "$OUT/tests.txt"
          for c in "" --causal; do for m in ranges blockmask; do
