@@ -328,3 +328,31 @@ def test_a_mods_spec_put_onto_another_base():
     assert load_spec("flash_attn_softcap", onto="flash_attn_fwd_sm90") is onto   # cached
     with pytest.raises(SpecError, match="only a spec that extends another"):
         load_spec("flash_attn_fwd", onto="flash_attn_bwd")
+
+
+def test_a_mods_spec_put_on_a_block_mask():
+    """load_spec(block_mask=True): the mods with block_sparse on (the block mask's list arguments
+    after the mod arguments), named `<spec>_bm` with a hash of its own, where the file's mods are
+    not block-sparse already; load_named resolves the names the tuning DB keeps."""
+    from kernelgen.spec import BLOCK_SPARSE_ARGS, load_named
+
+    packed = load_spec("flash_attn_packed", onto="flash_attn_bwd_sm90")
+    on_mask = load_spec("flash_attn_packed", onto="flash_attn_bwd_sm90", block_mask=True)
+    assert on_mask.name == "flash_attn_packed_bm__flash_attn_bwd_sm90"
+    assert on_mask.mods.block_sparse and on_mask.mods.kv_range == packed.mods.kv_range
+    assert [a.name for a in on_mask.args] == ([a.name for a in packed.args]
+                                              + [a.name for a in BLOCK_SPARSE_ARGS])
+    assert on_mask.content_hash != packed.content_hash
+    assert load_named(on_mask.name) is on_mask and load_named(packed.name) is packed
+    assert load_named("flash_attn_packed_bm").name == "flash_attn_packed_bm"
+    document = load_spec("flash_attn_document", onto="flash_attn_bwd_sm90")
+    same = load_spec("flash_attn_document", onto="flash_attn_bwd_sm90", block_mask=True)
+    assert same.name == document.name and same.content_hash == document.content_hash
+    with pytest.raises(SpecError, match="only a spec with a mods.mask_mod"):
+        load_spec("flash_attn_softcap", block_mask=True)
+    with pytest.raises(SpecError, match="only a spec that extends another"):
+        load_spec("flash_attn_fwd", block_mask=True)
+    with pytest.raises(SpecError, match="unknown spec 'no_such_spec'"):
+        load_named("no_such_spec_bm")
+    with pytest.raises(SpecError, match="only a spec with a mods.mask_mod"):
+        load_named("flash_attn_softcap_bm__flash_attn_bwd_sm90")
