@@ -274,6 +274,39 @@ def test_backward_sm90_of_every_mod_spec_compiles_clean(cache_dir):
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize("setting", ["ranges", "blockmask"])
+def test_which_specs_take_a_block_mask_of_their_ranges(monkeypatch, setting):
+    """AttentionKernel.range_spec on compute capability 9.0 (faked): with
+    KERNELGEN_RANGE_BACKWARD=blockmask, a kv range that reads tensors (flash_attn_packed) runs
+    its backward on its mods put on a block mask, where the Hopper backward takes the variant
+    (not head_dim 96, nor at a sequence length it leaves to flash_attn_bwd); never an analytic
+    range (window), a block-sparse spec (document) or a spec without a mask; the default keeps
+    the ranges."""
+    from kernelgen import api, backward_sm90, env
+
+    monkeypatch.setattr(api, "device_arch", lambda device=None: "sm_90")
+    if setting == "blockmask":
+        monkeypatch.setenv("KERNELGEN_RANGE_BACKWARD", setting)
+    env.reload_settings()
+    try:
+        for name in ("flash_attn_packed", "flash_attn_window", "flash_attn_document",
+                     "flash_attn_softcap"):
+            for head_dim in (64, 96, 128):
+                kernel = attention.AttentionKernel(load_spec(name),   # nothing compiled
+                                                   head_dim=head_dim, dtype="bf16", causal=True)
+                twin = kernel.range_spec(head_dim, 0, 4096)
+                taken = setting == "blockmask" and name == "flash_attn_packed" and head_dim != 96
+                assert (twin is not None) == taken, (name, head_dim)
+                if taken:
+                    assert twin.name == "flash_attn_packed_bm" and twin.mods.block_sparse
+                    monkeypatch.setattr(backward_sm90, "SHORT_SEQLEN_K", 4096)
+                    assert kernel.range_spec(head_dim, 0, 4096) is None
+                    monkeypatch.setattr(backward_sm90, "SHORT_SEQLEN_K", 0)
+    finally:
+        monkeypatch.undo()
+        env.reload_settings()
+
+
 def test_backward_sm90_takes_mods_specs_where_they_fit(monkeypatch):
     """On compute capability 9.0 (faked): a mods spec's backward runs flash_attn_bwd_sm90 except
     for the variants its onto section leaves out, short sequences, and the deterministic path;
