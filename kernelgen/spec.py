@@ -831,7 +831,7 @@ def _stamp(path: Path) -> tuple[int, int] | None:
     return stat.st_mtime_ns, stat.st_size
 
 
-_loaded: dict[tuple[Path, str | None], tuple[tuple, KernelSpec]] = {}
+_loaded: dict[tuple[Path, str | None, bool], tuple[tuple, KernelSpec]] = {}
 
 
 def load_spec(spec: str | Path, onto: str | None = None, block_mask: bool = False) -> KernelSpec:
