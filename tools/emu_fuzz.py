@@ -78,8 +78,9 @@ def modification(mod, spec, config, shape, causal, rng: random.Random):
         doc_q = documents(batch, seqlen_q, rng.choice([1, 3]))
         doc_k = documents(batch, seqlen_k, rng.choice([1, 4]))
         same = (doc_q[:, :, None] == doc_k[:, None, :])[:, None]
-        lists = blockmask.from_dense(spec, same, causal, batch=batch).kernel_args(
-            config["block_m"], config["block_n"])
+        # As the library hands them: grouped for wg_skip, in launch order for a CTA per tile.
+        lists = blockmask.from_dense(spec, same, causal, batch=batch).forward_args(
+            config.as_dict(), batch, heads)
         names = (a.name for a in spec.mods.block_args)
         return "ids", dict(mod_args={"doc_q": doc_q, "doc_k": doc_k, **dict(zip(names, lists))},
                            mask_mod=lambda *_: same), 1.0
