@@ -50,6 +50,14 @@ def sample_config(spec, variant, rng: random.Random):
     return None
 
 
+def document_ids(batch: int, seqlen_q: int, seqlen_k: int, rng: random.Random):
+    """Random per-token document ids of queries and keys, and which pairs share one:
+    (doc_q, doc_k, visible (batch, 1, seqlen_q, seqlen_k))."""
+    doc_q = documents(batch, seqlen_q, rng.choice([1, 3]))
+    doc_k = documents(batch, seqlen_k, rng.choice([1, 4]))
+    return doc_q, doc_k, (doc_q[:, :, None] == doc_k[:, None, :])[:, None]
+
+
 def modification(mod, spec, config, shape, causal, rng: random.Random):
     """(what it is, check()'s keyword arguments, scale of q and k) for one modifier, or None where
     the shape cannot hold it."""
@@ -80,9 +88,7 @@ def modification(mod, spec, config, shape, causal, rng: random.Random):
     if mod == "document":
         if seqlen_q < 4 or seqlen_k < 4:
             return None
-        doc_q = documents(batch, seqlen_q, rng.choice([1, 3]))
-        doc_k = documents(batch, seqlen_k, rng.choice([1, 4]))
-        same = (doc_q[:, :, None] == doc_k[:, None, :])[:, None]
+        doc_q, doc_k, same = document_ids(batch, seqlen_q, seqlen_k, rng)
         # As the library hands them: grouped for wg_skip, in launch order for a CTA per tile.
         lists = blockmask.from_dense(spec, same, causal, batch=batch).forward_args(
             config.as_dict(), batch, heads)
@@ -176,25 +182,19 @@ def one_backward_case(number: int, rng: random.Random, mods) -> str:
                 twin.name, causal, 1, None, seqlen_q, seqlen_k, torch.device("cpu"),
                 lambda m, n: emulated_bwd.classified_ranges(start, end, causal, seqlen_k, (m, n)))
         what = (*what, "on its block mask" if on_mask else "on its ranges")
-    else:
-        mod_spec = None if mod == "plain" else "flash_attn_" + mod
-        found = modification(mod, load_spec(mod_spec) if mod_spec else None, config, shape,
-                             causal, rng) if mod != "document" else None
-        if mod == "document":
-            if min(shape[1:3]) < 4:
-                return f"skip {number}: document needs longer sequences than {shape}"
-            doc_q = documents(shape[0], shape[1], rng.choice([1, 3]))
-            doc_k = documents(shape[0], shape[2], rng.choice([1, 4]))
-            same = (doc_q[:, :, None] == doc_k[:, None, :])[:, None]
-            kwargs = dict(mod_values=(doc_q, doc_k), mask_mod=lambda *_: same,
-                          block_mask=blockmask.from_dense(load_spec(mod_spec), same, causal,
-                                                          batch=shape[0]))
-        elif mod != "plain":
-            what, forward_kwargs, scale = found
-            kwargs = {key: value for key, value in forward_kwargs.items() if key != "mod_args"}
-            kwargs["mod_values"] = tuple(forward_kwargs["mod_args"].values())
-        if mod_spec:
-            kwargs["mods"] = mod_spec
+    elif mod == "document":   # the backward takes the mask itself (its transposed lists)
+        if min(shape[1:3]) < 4:
+            return f"skip {number}: document needs longer sequences than {shape}"
+        doc_q, doc_k, same = document_ids(*shape[:3], rng)
+        kwargs = dict(mods="flash_attn_document", mod_values=(doc_q, doc_k),
+                      mask_mod=lambda *_: same,
+                      block_mask=blockmask.from_dense(load_spec("flash_attn_document"), same,
+                                                      causal, batch=shape[0]))
+    elif mod != "plain":      # the forward's modification, its mod_args as positional values
+        what, forward_kwargs, scale = modification(mod, None, config, shape, causal, rng)
+        kwargs = {key: value for key, value in forward_kwargs.items() if key != "mod_args"}
+        kwargs.update(mods="flash_attn_" + mod,
+                      mod_values=tuple(forward_kwargs["mod_args"].values()))
     main = (load_spec(backward_sm90.SPEC) if mod == "plain"
             else load_spec(kwargs["mods"], onto=backward_sm90.SPEC))
     variant = main.variant("sm_90a", head_dim=head_dim, dtype=emulated.NAMES[dtype], causal=causal)
