@@ -239,6 +239,23 @@ def test_help_names_the_plot_and_mods(capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU message")
+@pytest.mark.parametrize("times, expected", [
+    ([1.0, 3.0], 2.0),                        # forward, forward + backward
+    ([1.0, 0.9, 1.0, 1.5], 0.5),              # a difference below zero is timed again
+    ([1.0, 1.0, 2.0, 1.9, 1.2, 1.2], None),   # never above the forward: an error, not a figure
+])
+def test_backward_time_is_a_positive_difference_or_an_error(times, expected, monkeypatch):
+    script = iter(times)
+    monkeypatch.setattr(bench, "time_ms", lambda fn: next(script))
+    q = k = v = torch.randn(1, 4, 1, 8)
+    if expected is None:
+        with pytest.raises(RuntimeError, match="backward not measurable: .* in 3 tries"):
+            bench.time_pass(lambda q, k, v: q * k * v, q, k, v, backward=True)
+    else:
+        assert bench.time_pass(lambda q, k, v: q * k * v, q, k, v, backward=True) == expected
+    assert next(script, None) is None   # every scripted time was asked for
+
+
 def test_no_gpu_nothing_to_time(capsys):
     assert cli_main(["bench", "--head-dims", "64"]) == 1
     assert capsys.readouterr().out == "kernelgen bench: no CUDA GPU here; nothing to time\n"
