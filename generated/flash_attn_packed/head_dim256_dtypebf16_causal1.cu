@@ -62,31 +62,31 @@ struct Mods {
     }
     __device__ __forceinline__ bool mask_mod(int batch, int head, int q_idx, int kv_idx,
                                              int seqlen_q, int seqlen_k) const {
-#line 17 "specs/flash_attn_packed.yaml"
-        return (kv_idx >= doc_start[batch * seqlen_q + q_idx] && kv_idx < doc_end[batch * seqlen_q + q_idx]);
+#line 20 "specs/flash_attn_packed.yaml"
+        return ((kv_idx >= doc_start[batch * seqlen_q + q_idx]) & (kv_idx < doc_end[batch * seqlen_q + q_idx]));
 #line 66 "flash_attn_packed__head_dim256_dtypebf16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int kv_lo(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
-#line 21 "specs/flash_attn_packed.yaml"
+#line 24 "specs/flash_attn_packed.yaml"
         return (doc_start[batch * seqlen_q + q_first]);
 #line 72 "flash_attn_packed__head_dim256_dtypebf16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int kv_hi(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
-#line 22 "specs/flash_attn_packed.yaml"
+#line 25 "specs/flash_attn_packed.yaml"
         return (doc_end[batch * seqlen_q + q_last]);
 #line 78 "flash_attn_packed__head_dim256_dtypebf16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int full_lo(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
-#line 23 "specs/flash_attn_packed.yaml"
+#line 26 "specs/flash_attn_packed.yaml"
         return (doc_start[batch * seqlen_q + q_last]);
 #line 84 "flash_attn_packed__head_dim256_dtypebf16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
     __device__ __forceinline__ int full_hi(int q_first, int q_last, int batch, int head,
                                         int seqlen_q, int seqlen_k) const {
-#line 24 "specs/flash_attn_packed.yaml"
+#line 27 "specs/flash_attn_packed.yaml"
         return (doc_end[batch * seqlen_q + q_first]);
 #line 90 "flash_attn_packed__head_dim256_dtypebf16_causal1__sm_80__block_m128_block_n32_warps8_stages2_grid_order0.cu"
     }
