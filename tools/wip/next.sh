@@ -43,7 +43,7 @@
 #   bash tools/wip/next.sh s41v    # ~3 min: varlen with a window's forward on narrower KV tiles
 #   bash tools/wip/next.sh s43a    # <= 9.5 min: §112 (packed's `&`) against the tree before (carry
 #                                  #   .ab/old: git archive caf2f5f~1), kernel times, mask mods' memcheck
-#   bash tools/wip/next.sh s44     # <= 9.8 min: s43a's first round and memcheck, then the whole GPU suite
+#   bash tools/wip/next.sh s44     # <= 9.8 min: s43a's first round and memcheck, the whole GPU suite, det_probe
 #   bash tools/wip/next.sh s43b    # <= 9.5 min: the whole GPU suite, s41v, the modifier backward bench
 #   bash tools/wip/next.sh s41a    # <= 9.5 min: §109's GPU tests, then the kv-range backward on its
 #                                  #   ranges against on a block mask (KERNELGEN_RANGE_BACKWARD), kernel times
@@ -312,7 +312,7 @@ case $1 in
            tag=$([ $tree = . ] && echo new || echo old)
            KT_T=${KT_T:-90} kt $tree $tag$r$c --mods packed varlen_window $c
          done; done; done | tee "$OUT/kt.txt"
-         STEPS=memcheck T_memcheck=120 RAGGED_ARGS="--mask-mods 64 128" bash tools/h200_run.sh 2>&1 | tail -2 ;;
+         STEPS=memcheck T_memcheck=${T_memcheck:-120} RAGGED_ARGS="--mask-mods 64 128" bash tools/h200_run.sh 2>&1 | tail -2 ;;
   s43b) # <= 9.5 min: the whole GPU suite, varlen with a window on narrower KV tiles (s41v), then
          # the modifier backward bench
          nvidia-smi --query-gpu=name --format=csv,noheader
@@ -322,7 +322,9 @@ case $1 in
            --out "$OUT/mods_bwd" > "$OUT/mods_bwd.txt" 2>&1; tail -16 "$OUT/mods_bwd.txt" ;;
   s44) # <= 9.8 min, one call for all of it when machines are scarce: s43a with one round, then the
          # whole GPU suite (the mask mods' memcheck is in s43a)
-         ROUNDS=1 KT_T=75 bash "$0" s43a
-         STEPS=all T_all=${T_all:-270} bash tools/h200_run.sh 2>&1 | tail -6 ;;
+         export KERNELGEN_CACHE_DIR=/tmp/kgcache   # one cache for the trees' shared kernels and the suite
+         ROUNDS=1 KT_T=70 T_memcheck=90 bash "$0" s43a
+         STEPS=all T_all=${T_all:-230} bash tools/h200_run.sh 2>&1 | tail -6
+         PYTHONPATH=. timeout 60 python3 tools/wip/det_probe.py 2>&1 | tee "$OUT/det.txt" | tail -6 ;;
   *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40h|s40g|s40p|s40f|s40v|s40z|s40s|s41v|s41a|s43a|s43b|s44"; exit 2 ;;
 esac
