@@ -49,7 +49,7 @@ class Case:
         self.score_mod, self.mask_mod = None, None
         self.reference_causal = causal
         pairs = batch * bench_mods.window_pairs(seqlen, seqlen, -1, -1, causal)
-        if mod is not None:
+        if mod not in (None, "varlen_window"):   # varlen_window: its ranges, below
             name, args = mod_args(mod, causal, heads, batch, seqlen)
             self.spec = mods_sm90.sm90_spec(name)
             self.values = tuple(args[a.name] for a in self.spec.mods.args)
