@@ -310,7 +310,7 @@ case $1 in
          nvidia-smi --query-gpu=name --format=csv,noheader
          for r in $(seq ${ROUNDS:-2}); do for c in "" --causal; do for tree in .ab/old .; do
            tag=$([ $tree = . ] && echo new || echo old)
-           KT_T=${KT_T:-90} kt $tree $tag$r$c --mods packed varlen_window $c
+           KT_T=${KT_T:-90} kt $tree $tag$r$c --mods ${KT_MODS:-packed varlen_window} $c
          done; done; done | tee "$OUT/kt.txt"
          STEPS=memcheck T_memcheck=${T_memcheck:-120} RAGGED_ARGS="--mask-mods 64 128" bash tools/h200_run.sh 2>&1 | tail -2 ;;
   s43b) # <= 9.5 min: the whole GPU suite, varlen with a window on narrower KV tiles (s41v), then
