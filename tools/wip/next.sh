@@ -312,6 +312,7 @@ case $1 in
            tag=$([ $tree = . ] && echo new || echo old)
            KT_T=${KT_T:-90} kt $tree $tag$r$c --mods ${KT_MODS:-packed varlen_window} $c
          done; done; done | tee "$OUT/kt.txt"
+         [ "${MEMCHECK:-1}" = 1 ] || exit 0
          STEPS=memcheck T_memcheck=${T_memcheck:-120} RAGGED_ARGS="--mask-mods 64 128" bash tools/h200_run.sh 2>&1 | tail -2 ;;
   s43b) # <= 9.5 min: the whole GPU suite, varlen with a window on narrower KV tiles (s41v), then
          # the modifier backward bench
@@ -320,11 +321,11 @@ case $1 in
          bash "$0" s41v
          PYTHONPATH=. timeout 110 python3 -m kernelgen.cli bench --mods --pass bwd --seqlens 4096 \
            --out "$OUT/mods_bwd" > "$OUT/mods_bwd.txt" 2>&1; tail -16 "$OUT/mods_bwd.txt" ;;
-  s44) # <= 9.8 min, one call for all of it when machines are scarce: s43a with one round, then the
-         # whole GPU suite (the mask mods' memcheck is in s43a)
+  s44) # <= 9.8 min, one call for all of it when machines are scarce: the mask mods' memcheck,
+         # s43a's kernel times (one round), the whole GPU suite, then det_probe
          export KERNELGEN_CACHE_DIR=/tmp/kgcache   # one cache for the trees' shared kernels and the suite
          STEPS=memcheck T_memcheck=90 RAGGED_ARGS="--mask-mods 64 128" bash tools/h200_run.sh 2>&1 | tail -2
-         ROUNDS=1 KT_T=70 T_memcheck=1 bash "$0" s43a | grep -v "^===\|memcheck"
+         ROUNDS=1 KT_T=70 MEMCHECK=0 bash "$0" s43a
          STEPS=all T_all=${T_all:-230} bash tools/h200_run.sh 2>&1 | tail -6
          PYTHONPATH=. timeout 60 python3 tools/wip/det_probe.py 2>&1 | tee "$OUT/det.txt" | tail -6 ;;
   *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40h|s40g|s40p|s40f|s40v|s40z|s40s|s41v|s41a|s43a|s43b|s44"; exit 2 ;;
