@@ -328,15 +328,17 @@ case $1 in
          ROUNDS=1 KT_T=70 MEMCHECK=0 bash "$0" s43a
          STEPS=all T_all=${T_all:-230} bash tools/h200_run.sh 2>&1 | tail -6
          PYTHONPATH=. timeout 60 python3 tools/wip/det_probe.py 2>&1 | tee "$OUT/det.txt" | tail -6 ;;
-  s45) # <= 9.8 min (PERF_NOTES §114): s43a's A/B of .ab/old (git archive 2e9b92b~1) against this
-       # tree on packed, varlen with a window and window, two rounds, the mask mods' memcheck,
-       # then every kernel of varlen with a window's forward + backward (where its fixed costs go),
-       # and host_probe.py (is a row's backward timed on the host?)
+  s45) # <= 9.8 min (PERF_NOTES §114): host_probe.py (is a modifier row's backward timed on the
+       # host?) both ways, s43a's A/B of .ab/old (git archive 2e9b92b~1) against this tree on
+       # packed, varlen with a window and window (one round), every kernel of varlen with a
+       # window's forward + backward, then the mask mods' memcheck
+       [ -d .ab/old/kernelgen ] || { echo "carry .ab/old"; exit 2; }
        export KERNELGEN_CACHE_DIR=/tmp/kgcache
-       KT_T=75 KT_MODS="packed varlen_window window" T_memcheck=100 bash "$0" s43a
-       for c in "" --causal; do PYTHONPATH=. timeout 60 python3 tools/wip/bwd_kernels.py \
-         --mods varlen_window $c 2>&1 | grep -v Warn | tee -a "$OUT/vw_kernels.txt"; done
-       for c in --causal ""; do PYTHONPATH=. timeout 80 python3 tools/wip/host_probe.py $c \
-         > "$OUT/host$c.txt" 2>&1; head -7 "$OUT/host$c.txt"; done ;;
+       for c in --causal ""; do PYTHONPATH=. timeout 75 python3 tools/wip/host_probe.py $c \
+         > "$OUT/host$c.txt" 2>&1; head -7 "$OUT/host$c.txt"; done
+       ROUNDS=${ROUNDS:-1} KT_T=70 KT_MODS="packed varlen_window window" MEMCHECK=0 bash "$0" s43a
+       for c in "" --causal; do PYTHONPATH=. timeout 50 python3 tools/wip/bwd_kernels.py \
+         --mods varlen_window $c 2>&1 | grep -v Warn >> "$OUT/vw_kernels.txt"; done
+       STEPS=memcheck T_memcheck=90 RAGGED_ARGS="--mask-mods 64 128" bash tools/h200_run.sh 2>&1 | tail -2 ;;
   *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40h|s40g|s40p|s40f|s40v|s40z|s40s|s41v|s41a|s43a|s43b|s44|s45"; exit 2 ;;
 esac
