@@ -328,17 +328,19 @@ case $1 in
          ROUNDS=1 KT_T=70 MEMCHECK=0 bash "$0" s43a
          STEPS=all T_all=${T_all:-230} bash tools/h200_run.sh 2>&1 | tail -6
          PYTHONPATH=. timeout 60 python3 tools/wip/det_probe.py 2>&1 | tee "$OUT/det.txt" | tail -6 ;;
-  s45) # <= 9.8 min (PERF_NOTES §114): host_probe.py (is a modifier row's backward timed on the
-       # host?) both ways, s43a's A/B of .ab/old (git archive 2e9b92b~1) against this tree on
-       # packed, varlen with a window and window (one round), every kernel of varlen with a
-       # window's forward + backward, then the mask mods' memcheck
+  s45) # <= 9.8 min (PERF_NOTES §114, §116): host_probe.py (is a modifier row's backward timed on
+       # the host?), s43a's A/B of .ab/old (git archive 2e9b92b~1) against this tree on packed,
+       # varlen with a window and window (one round), the kv-range backward GPU tests, every
+       # kernel of varlen with a window's forward + backward, then the mask mods' memcheck
        [ -d .ab/old/kernelgen ] || { echo "carry .ab/old"; exit 2; }
        export KERNELGEN_CACHE_DIR=/tmp/kgcache
-       for c in --causal ""; do PYTHONPATH=. timeout 75 python3 tools/wip/host_probe.py $c \
-         > "$OUT/host$c.txt" 2>&1; head -7 "$OUT/host$c.txt"; done
+       PYTHONPATH=. timeout 75 python3 tools/wip/host_probe.py --causal > "$OUT/host.txt" 2>&1
+       head -7 "$OUT/host.txt"
        ROUNDS=${ROUNDS:-1} KT_T=70 KT_MODS="packed varlen_window window" MEMCHECK=0 bash "$0" s43a
-       for c in "" --causal; do PYTHONPATH=. timeout 50 python3 tools/wip/bwd_kernels.py \
+       PYTHONPATH=. timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 $BWD_GPU_TESTS \
+         -k "packed or varlen or window" > "$OUT/tests.txt" 2>&1; tail -3 "$OUT/tests.txt"
+       for c in "" --causal; do PYTHONPATH=. timeout 45 python3 tools/wip/bwd_kernels.py \
          --mods varlen_window $c 2>&1 | grep -v Warn >> "$OUT/vw_kernels.txt"; done
-       STEPS=memcheck T_memcheck=90 RAGGED_ARGS="--mask-mods 64 128" bash tools/h200_run.sh 2>&1 | tail -2 ;;
+       STEPS=memcheck T_memcheck=80 RAGGED_ARGS="--mask-mods 64 128" bash tools/h200_run.sh 2>&1 | tail -2 ;;
   *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40h|s40g|s40p|s40f|s40v|s40z|s40s|s41v|s41a|s43a|s43b|s44|s45"; exit 2 ;;
 esac
