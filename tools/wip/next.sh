@@ -342,11 +342,12 @@ case $1 in
        STEPS=memcheck T_memcheck=80 RAGGED_ARGS="--mask-mods 64 128" bash tools/h200_run.sh 2>&1 | tail -2 ;;
   s45w) # ~6 min (PERF_NOTES §117): the window's forward on 64-key blocks, where each warpgroup
        # skips the block its rows do not see (causal (1024, 0) at 128 x 128: tile bound 0.917 of
-       # plain's, at 128 x 64: 0.971), then s41v (varlen with a window on narrower KV tiles)
+       # plain's, at 128 x 64: 0.971), prep_probe.py (the backward's fixed costs), then s41v
        nvidia-smi --query-gpu=name --format=csv,noheader
        PYTHONPATH=. timeout 200 python3 tools/config_ab.py --mod window --head-dims 128 \
          --seqlens 4096 --causal both --rounds 3 --alts '{"block_n": 64}' '{"block_n": 64, "stages": 3}' \
          '{"block_n": 96}' '{"block_n": 64, "schedule": 1}' > "$OUT/window.txt" 2>&1; tail -8 "$OUT/window.txt"
+       PYTHONPATH=. timeout 40 python3 tools/wip/prep_probe.py 2>&1 | tee "$OUT/prep.txt" | tail -6
        bash "$0" s41v ;;
   *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40h|s40g|s40p|s40f|s40v|s40z|s40s|s41v|s41a|s43a|s43b|s44|s45|s45w"; exit 2 ;;
 esac
