@@ -252,7 +252,8 @@ case $1 in
            KERNELGEN_RANGE_BACKWARD=$m kt . $m$c --mods packed varlen_window $c; done; done \
            | tee "$OUT/kt.txt" ;;
   s41v) # ~3 min: the bench's varlen call with a window (flash_attn_packed on its ranges, 513 /
-         # 257 keys a row) on narrower KV tiles than the shipped configs' 128-144 (tile bound ~0.7)
+         # 257 keys a row) on narrower KV tiles than the shipped configs' 128-144 (tile bounds:
+         # PERF_NOTES §118, 0.763 / 0.662 of plain's at the shipped tiles, 0.858 / 0.782 at 64)
          nvidia-smi --query-gpu=name --format=csv,noheader
          PYTHONPATH=. timeout 170 python3 tools/config_ab.py --mod varlen_window --head-dims 128 \
            --seqlens 4096 --causal both --rounds 3 --alts '{"block_n": 64}' '{"block_n": 80}' \
