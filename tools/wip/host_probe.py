@@ -9,11 +9,13 @@ and forward + backward, then cProfile's top functions of the slowest case's host
 """
 import argparse
 import cProfile
+import functools
 import pstats
 import time
 
 import torch
 
+import kernelgen
 from kernelgen.bench import time_ms
 from kernelgen.bench_mods import build_case
 
@@ -52,20 +54,13 @@ def host_us(fn) -> float:
     return issued / args.calls * 1e6
 
 
-cases = {"plain": None, **{m: build_case(m, args.causal, batch, heads, seqlen, hd, "cuda")
-                            for m in args.mods}}
+calls = {"plain": functools.partial(kernelgen.flash_attn_func, causal=args.causal),
+         **{m: build_case(m, args.causal, batch, heads, seqlen, hd, "cuda").kernelgen
+            for m in args.mods}}
 print(f"{'case':16} {'fwd host':>9} {'fwd evts':>9} {'fwd krnl':>9} {'f+b host':>9} "
       f"{'f+b evts':>9} {'f+b krnl':>9}  (us, causal={args.causal}; evts: the bench's timing)")
 slowest, worst = None, 0.0
-for name, case in cases.items():
-    if case is None:
-        import kernelgen
-
-        def call(q, k, v):
-            return kernelgen.flash_attn_func(q, k, v, causal=args.causal)
-    else:
-        call = case.kernelgen
-
+for name, call in calls.items():
     def fwd():
         return call(q, k, v)
 

@@ -332,14 +332,15 @@ case $1 in
   s45) # <= 9.8 min (PERF_NOTES §114, §116): s43a's A/B of .ab/old (git archive 2e9b92b~1)
        # against this tree on packed and varlen with a window (one round), the kv-range backward
        # GPU tests, host_probe.py (is a modifier row's backward timed on the host?), then the
-       # mask mods' memcheck
+       # mask mods' memcheck (S45_MEMCHECK=0: none)
        [ -d .ab/old/kernelgen ] || { echo "carry .ab/old"; exit 2; }
        export KERNELGEN_CACHE_DIR=/tmp/kgcache
-       ROUNDS=${ROUNDS:-1} KT_T=65 MEMCHECK=0 bash "$0" s43a
-       PYTHONPATH=. timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 $BWD_GPU_TESTS \
+       ROUNDS=${ROUNDS:-1} KT_T=${KT_T:-65} MEMCHECK=0 bash "$0" s43a
+       PYTHONPATH=. timeout ${T_TESTS:-120} python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 $BWD_GPU_TESTS \
          -k "packed or varlen or window" > "$OUT/tests.txt" 2>&1; tail -3 "$OUT/tests.txt"
-       PYTHONPATH=. timeout 75 python3 tools/wip/host_probe.py --causal > "$OUT/host.txt" 2>&1
+       PYTHONPATH=. timeout ${T_HOST:-75} python3 tools/wip/host_probe.py --causal > "$OUT/host.txt" 2>&1
        head -7 "$OUT/host.txt"
+       [ "${S45_MEMCHECK:-1}" = 1 ] || exit 0
        STEPS=memcheck T_memcheck=80 RAGGED_ARGS="--mask-mods 64 128" bash tools/h200_run.sh 2>&1 | tail -2 ;;
   s45w) # ~6 min (PERF_NOTES §117): the window's forward on 64-key blocks, where each warpgroup
        # skips the block its rows do not see (causal (1024, 0) at 128 x 128: tile bound 0.917 of
@@ -350,14 +351,7 @@ case $1 in
          '{"block_n": 96}' '{"block_n": 64, "schedule": 1}' > "$OUT/window.txt" 2>&1; tail -8 "$OUT/window.txt"
        PYTHONPATH=. timeout 40 python3 tools/wip/prep_probe.py 2>&1 | tee "$OUT/prep.txt" | tail -6
        bash "$0" s41v ;;
-  s45s) # <= 6 min, s45 cut down for a short budget: the A/B (packed, varlen with a window), the
-       # kv-range backward GPU tests, then the host probe (cut by the call's limit if it must)
-       [ -d .ab/old/kernelgen ] || { echo "carry .ab/old"; exit 2; }
-       export KERNELGEN_CACHE_DIR=/tmp/kgcache
-       ROUNDS=1 KT_T=60 MEMCHECK=0 bash "$0" s43a
-       PYTHONPATH=. timeout 110 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 $BWD_GPU_TESTS \
-         -k "packed or varlen or window" > "$OUT/tests.txt" 2>&1; tail -3 "$OUT/tests.txt"
-       PYTHONPATH=. timeout 70 python3 tools/wip/host_probe.py --causal > "$OUT/host.txt" 2>&1
-       head -7 "$OUT/host.txt" ;;
+  s45s) # <= 6 min, s45 cut down for a short budget: no memcheck, shorter limits
+       KT_T=60 T_TESTS=110 T_HOST=70 S45_MEMCHECK=0 bash "$0" s45 ;;
   *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40h|s40g|s40p|s40f|s40v|s40z|s40s|s41v|s41a|s43a|s43b|s44|s45|s45w|s45s"; exit 2 ;;
 esac
