@@ -201,18 +201,12 @@ __device__ __forceinline__ void mod_probs_grads(float (&s)[MT][NT][4], float (&d
 
 // Whether the mask_mod must be evaluated per element on the keys [kv0, kv0 + BLOCK_N) of the
 // query rows q_first..q_last: always, unless the kv range says all of them are visible.
-// Both bounds are read before either is compared (and `|`, not `||`): where they are loads
-// (packed's per-token bounds, at rows inside the sequence) the second was else issued only
-// once the first compare came back, two dependent L2 round trips a pair where one does
-// (PERF_NOTES §107's reading, §114).
 template <int BLOCK_N, class Mods>
 __device__ __forceinline__ bool mod_mask_needed(const Mods& mods, int kv0, int q_first, int q_last,
                                                 int batch, int head, int seqlen_q, int seqlen_k) {
-    if constexpr (Mods::kMaskMod && Mods::kKvRange) {
-        const int lo = mods.full_lo(q_first, q_last, batch, head, seqlen_q, seqlen_k);
-        const int hi = mods.full_hi(q_first, q_last, batch, head, seqlen_q, seqlen_k);
-        return (kv0 < lo) | (kv0 + BLOCK_N > hi);
-    }
+    if constexpr (Mods::kMaskMod && Mods::kKvRange)
+        return kv0 < mods.full_lo(q_first, q_last, batch, head, seqlen_q, seqlen_k) ||
+               kv0 + BLOCK_N > mods.full_hi(q_first, q_last, batch, head, seqlen_q, seqlen_k);
     return Mods::kMaskMod;
 }
 
