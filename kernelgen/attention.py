@@ -37,6 +37,7 @@ class AttentionKernel:
         self.variant = spec.variant(arch=spec.archs[0], **params)  # validates the params now
         self.params = self.variant.as_dict()
         self.mod_args = spec.mods.args  # a block mask's list arguments follow them (block_mask=)
+        self._mod_names = frozenset(a.name for a in self.mod_args)
         # The dtype each tensor argument's ctype reads (None: not checked), once per kernel.
         self._dtypes = tuple(_CTYPE_DTYPES.get(" ".join(a.ctype.replace("const", " ")
                                                         .replace("*", " ").split()))
@@ -267,10 +268,10 @@ class AttentionKernel:
         """The mod arguments in the kernel's order, checked: tensors for `ptr` (on q's device,
         contiguous, of the element type the spec's ctype reads and of its declared shape in the
         problem's `sizes`), numbers else."""
-        names = [a.name for a in self.mod_args]
-        missing = [n for n in names if n not in given]
-        extra = [n for n in given if n not in names]
-        if missing or extra:
+        if given.keys() != self._mod_names:
+            names = [a.name for a in self.mod_args]
+            missing = [n for n in names if n not in given]
+            extra = [n for n in given if n not in names]
             raise TypeError(f"{self.spec.name}: missing mod arguments {missing}, unexpected "
                             f"{extra}; it takes {names}")
         values = []
@@ -345,7 +346,7 @@ class _AttentionFunction(torch.autograd.Function):
         kernel = ctx.kernel
         spec = load_spec(kernel.spec.path, block_mask=True) if ctx.on_range_mask else kernel.spec
         mods = backward.ModArgs(spec, kernel.variant.params, values, ctx.block_mask)
-        dq, dk, dv = backward.flash_attn_backward(
+        dq, dk, dv = backward.saved_backward(
             dout, q, k, v, out, lse, bool(kernel.params.get("causal", False)), ctx.scale,
             ctx.deterministic, mods=mods)
         return (None, None, None, None, None, dq, dk, dv, *(None for _ in values))

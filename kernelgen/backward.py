@@ -161,7 +161,7 @@ def _check_saved(q, k, v, out, lse) -> None:
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
-    return t.stride(0), t.stride(1), t.stride(2)
+    return t.stride()[:3]
 
 
 def flash_attn_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float,
@@ -174,6 +174,20 @@ def flash_attn_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: fl
         check_differentiable(mods.spec)
     _check_dout(dout, out)
     _check_saved(q, k, v, out, lse)
+    return _backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, mods)
+
+
+def saved_backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float,
+                   deterministic: bool = False, mods: ModArgs | None = None):
+    """flash_attn_backward on what a kernelgen forward saved for autograd: q, k, v, out and lse
+    were checked when that forward ran (and the spec's differentiability before it), so only
+    dout, the caller's, is checked here; ~10 us of host time a call less (PERF_NOTES §119)."""
+    _check_dout(dout, out)
+    return _backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, mods)
+
+
+def _backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float, deterministic: bool,
+              mods: ModArgs | None):
     if dout.shape[-1] > 1 and dout.stride(-1) != 1:
         dout = dout.contiguous()
     q, k, v, out, dout = (ops._aligned(t) for t in (q, k, v, out, dout))
@@ -222,10 +236,16 @@ def _launcher(device: int):
     """launch(kernel, args, sizes) on torch's current stream; args hold tensors, None for null,
     and (layout, tensor) pairs for tensor maps (backward_sm90.tensor_maps)."""
     stream = api._current_stream(device)
+    tensor, encode = torch.Tensor, backward_sm90.encode
+
+    def value(a):
+        if isinstance(a, tensor):
+            return a.data_ptr()
+        return 0 if a is None else encode(a) if isinstance(a, tuple) else a
 
     def launch(kernel: api.BoundKernel, args: tuple, sizes: dict) -> None:
-        values = tuple(0 if a is None else a.data_ptr() if isinstance(a, torch.Tensor)
-                       else backward_sm90.encode(a) if isinstance(a, tuple) else a for a in args)
+        # Numbers pass as they are (most of a launch's ~60 arguments): one type test each.
+        values = tuple(a if type(a) is int or type(a) is float else value(a) for a in args)
         kernel.launch(values, kernel.grid(sizes), device, stream)
 
     return launch

@@ -207,8 +207,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
         if x.shape[0] != total:
             raise ValueError(f"flash_attn_varlen_func: {name} holds {x.shape[0]} tokens but "
                              f"cu_seqlens_{name}[-1] is {total}")
-        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, Integral)
-                                  or bound < longest):
+        if bound is not None and (type(bound) is not int and (
+                isinstance(bound, bool) or not isinstance(bound, Integral)) or bound < longest):
             raise ValueError(f"flash_attn_varlen_func: max_seqlen_{name}={bound!r} must be an int "
                              f"of at least the longest sequence's {longest} tokens")
     if v.shape[0] != k.shape[0]:
@@ -216,15 +216,19 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     from kernelgen.attention import builtin_kernel
 
     q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)   # a batch of one
-    ops._check_inputs(q4, k4, v4)
-    wants_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     route = None
     if wants_grad and not deterministic and window == (-1, -1) and (kernel_causal or not causal):
+        ops._check_inputs(q4, k4, v4)   # before the route's mask is built on q's device
         route = _document_route(remembered, cu_seqlens_q, cu_seqlens_k, q4, k4, kernel_causal)
-    if route is None:
+    if route is None:   # the kernel's call checks q4, k4 and v4 before anything launches
+        if q.dtype not in ops._DTYPES:   # builtin_kernel's key needs it: the checks' message
+            ops._check_inputs(q4, k4, v4)
+        if start.device != q.device:
+            start, end = start.to(q.device), end.to(q.device)
         got = builtin_kernel("flash_attn_packed", q4, causal=kernel_causal)(
             q4, k4, v4, softmax_scale=softmax_scale, return_lse=True,
-            deterministic=deterministic, doc_start=start.to(q.device), doc_end=end.to(q.device))
+            deterministic=deterministic, doc_start=start, doc_end=end)
     else:   # the mask's ranges are these: its forward runs flash_attn_packed's kernel on them
         got = route.kernel(q4, k4, v4, softmax_scale=softmax_scale, return_lse=True,
                            doc_q=route.ids_q, doc_k=route.ids_k, block_mask=route.mask)
