@@ -23,9 +23,14 @@ struct BwdPrepArgs {
 // contiguous bytes of a row and hands its four words to two k16 steps.
 template <class Elem, int WARPS>
 __device__ __forceinline__ void flash_bwd_prep(const BwdPrepArgs<Elem>& a) {
-    const int head = blockIdx.y, batch = blockIdx.z;
+    // Consecutive CTAs take the same rows of consecutive heads (the grid is (row blocks, heads),
+    // numbered head first): a row's heads lie side by side in O, dO and the dQ accumulator, so
+    // the CTAs in flight read and write whole rows rather than one head's 256 bytes of each of
+    // many rows 4 KB apart (PERF_NOTES §120).
+    const int linear = blockIdx.y * gridDim.x + blockIdx.x;
+    const int head = linear % a.heads, block = linear / a.heads, batch = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int row0 = (blockIdx.x * WARPS + warp) * 16;
+    const int row0 = (block * WARPS + warp) * 16;
     if (row0 >= a.seqlen_q) return;  // a whole warp: mma needs all 32 lanes
 
     const Elem* o = a.o + batch * a.o_stride_b + head * a.o_stride_h + row0 * a.o_stride_s;
