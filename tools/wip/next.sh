@@ -353,20 +353,21 @@ case $1 in
        bash "$0" s41v ;;
   s45s) # <= 6 min, s45 cut down for a short budget: no memcheck, shorter limits
        KT_T=60 T_TESTS=110 T_HOST=70 S45_MEMCHECK=0 bash "$0" s45 ;;
-  s46) # <= 9.8 min (PERF_NOTES §119): the host path cut, measured. The whole GPU suite (the
-       # backward's saved path and launcher changed for every spec), then host_probe.py of
-       # .ab/old (git archive b9d5cf6, the tree before) and this tree, causal then full, then the
-       # modifier backward bench, then host_prof.py (where the host time still goes)
+  s46) # <= 9.8 min (PERF_NOTES §119, §120): .ab/old (git archive b9d5cf6, the tree before)
+       # against this one: prep_probe.py (the prep's CTA order), host_probe.py causal (the host
+       # path cut), then the whole GPU suite (both changed every backward), then host_probe.py
+       # full and host_prof.py (where the host time still goes)
        [ -d .ab/old/kernelgen ] || { echo "carry .ab/old"; exit 2; }
        export KERNELGEN_CACHE_DIR=/tmp/kgcache
        nvidia-smi --query-gpu=name --format=csv,noheader
-       STEPS=all T_all=${T_all:-240} bash tools/h200_run.sh 2>&1 | tail -4
-       for c in --causal ""; do for tree in .ab/old .; do
-         (cd $tree && PYTHONPATH=. timeout ${T_HOST:-50} python3 "$R/tools/wip/host_probe.py" $c \
-            --mods varlen_window varlen packed 2>&1 | grep -v -i "warn" | head -5 | sed "s|^|$tree$c |")
-       done; done | tee "$OUT/host_ab.txt"
-       PYTHONPATH=. timeout ${T_BENCH:-110} python3 -m kernelgen.cli bench --mods --pass bwd --seqlens 4096 \
-         --out "$OUT/mods_bwd" > "$OUT/mods_bwd.txt" 2>&1; tail -16 "$OUT/mods_bwd.txt"
+       hp() { for tree in .ab/old .; do (cd $tree && PYTHONPATH=. timeout ${T_HOST:-50} python3 \
+         "$R/tools/wip/host_probe.py" "$@" --mods varlen_window varlen packed 2>&1 \
+         | grep -v -i "warn" | head -5 | sed "s|^|$tree$1 |"); done; }
+       for tree in .ab/old .; do (cd $tree && PYTHONPATH=. timeout 40 python3 "$R/tools/wip/prep_probe.py" \
+         2>&1 | tail -5 | sed "s|^|$tree |"); done | tee "$OUT/prep_ab.txt"
+       hp --causal | tee "$OUT/host_ab.txt"
+       STEPS=all T_all=${T_all:-200} bash tools/h200_run.sh 2>&1 | tail -3
+       hp --calls 30 | tee -a "$OUT/host_ab.txt"
        PYTHONPATH=. timeout ${T_PROF:-60} python3 tools/wip/host_prof.py --causal > "$OUT/prof.txt" 2>&1
        head -4 "$OUT/prof.txt" ;;
   *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40h|s40g|s40p|s40f|s40v|s40z|s40s|s41v|s41a|s43a|s43b|s44|s45|s45w|s45s|s46"; exit 2 ;;
