@@ -263,3 +263,47 @@ def test_forward_sm90_checks_the_mod_values(no_gpu):
     with pytest.raises(ValueError, match="a tensor for softcap"):
         mods_sm90.forward_sm90("flash_attn_softcap", q, q, q, params, 0.125, (torch.ones(1),))
     assert not no_gpu[0]
+
+
+def test_grid_is_kept_per_scalars_and_still_follows_them(cache_dir):
+    """BoundKernel.grid keeps its answer per scalars (PERF_NOTES §119): a repeated call is a
+    lookup, different scalars a different grid, and an unhashable value is evaluated, not kept."""
+    kernel = api.load("flash_attn_bwd_prep", arch="sm_90", dtype="bf16")
+    sizes = {"batch": 2, "heads": 3, "seqlen_q": 130}
+    first = kernel.grid(sizes)
+    assert first == (3, 3, 2) and kernel.grid(dict(sizes)) is first   # cdiv(130, 64), heads, batch
+    assert kernel.grid({**sizes, "seqlen_q": 129 + 64}) == (4, 3, 2)
+    assert kernel.grid({**sizes, "unused": []}) == (3, 3, 2)   # a list: no key, still right
+
+
+def test_backward_launcher_converts_each_kind_of_argument(monkeypatch):
+    """The backward's launch: tensors as their addresses, None as 0, a tensor map pair encoded,
+    numbers (and anything else) as they are; the grid from the sizes."""
+    from kernelgen import backward, backward_sm90
+
+    monkeypatch.setattr(api, "_current_stream", lambda device: 7)
+    monkeypatch.setattr(backward_sm90, "encode", lambda pair: b"map:" + pair[0])
+    seen = []
+
+    class Kernel:
+        def grid(self, sizes):
+            return (sizes["n"], 1, 1)
+
+        def launch(self, values, grid, device, stream):
+            seen.append((values, grid, device, stream))
+
+    t = torch.zeros(4)
+    backward._launcher(3)(Kernel(), (t, None, (b"q", t), 5, 0.5, True, "x"), {"n": 9})
+    assert seen == [((t.data_ptr(), 0, b"map:q", 5, 0.5, True, "x"), (9, 1, 1), 3, 7)]
+
+
+def test_saved_backward_still_checks_dout():
+    """Autograd's entry skips re-checking what the forward saved, not the caller's dout."""
+    from kernelgen import backward
+
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 8)
+    with pytest.raises(ValueError, match="dout must have the shape of out"):
+        backward.saved_backward(q[:, :4], q, q, q, q, lse, False, 0.125)
+    with pytest.raises(TypeError, match="dout must have the dtype of out"):
+        backward.saved_backward(q.half(), q, q, q, q, lse, False, 0.125)
