@@ -380,12 +380,16 @@ def builtin_forward(q, k, v, causal, softmax_scale, return_lse, window_size, sof
 
 
 def builtin_kernel(name: str, q, causal: bool) -> AttentionKernel:
-    """The shipped spec `name`'s kernel for q's head_dim and dtype (q checked), one per process."""
-    key = (name, q.shape[-1], ops._DTYPES[q.dtype], bool(causal))
+    """The shipped spec `name`'s kernel for q's head_dim and dtype, one per process (q's other
+    properties are the kernel call's to check)."""
+    dtype = ops._DTYPES.get(q.dtype)
+    if dtype is None:   # the kernel call's own message, before a key it cannot make
+        raise TypeError(f"q must be float16 or bfloat16, got {q.dtype}")
+    key = (name, q.shape[-1], dtype, bool(causal))
     kernel = _BUILTINS.get(key)
     if kernel is None:
         kernel = _BUILTINS[key] = AttentionKernel(load_spec(name), head_dim=q.shape[-1],
-                                                  dtype=ops._DTYPES[q.dtype], causal=bool(causal))
+                                                  dtype=dtype, causal=bool(causal))
     return kernel
 
 

@@ -207,8 +207,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
         if x.shape[0] != total:
             raise ValueError(f"flash_attn_varlen_func: {name} holds {x.shape[0]} tokens but "
                              f"cu_seqlens_{name}[-1] is {total}")
-        if bound is not None and (type(bound) is not int and (
-                isinstance(bound, bool) or not isinstance(bound, Integral)) or bound < longest):
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, Integral)
+                                  or bound < longest):
             raise ValueError(f"flash_attn_varlen_func: max_seqlen_{name}={bound!r} must be an int "
                              f"of at least the longest sequence's {longest} tokens")
     if v.shape[0] != k.shape[0]:
@@ -222,8 +222,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
         ops._check_inputs(q4, k4, v4)   # before the route's mask is built on q's device
         route = _document_route(remembered, cu_seqlens_q, cu_seqlens_k, q4, k4, kernel_causal)
     if route is None:   # the kernel's call checks q4, k4 and v4 before anything launches
-        if q.dtype not in ops._DTYPES:   # builtin_kernel's key needs it: the checks' message
-            ops._check_inputs(q4, k4, v4)
         if start.device != q.device:
             start, end = start.to(q.device), end.to(q.device)
         got = builtin_kernel("flash_attn_packed", q4, causal=kernel_causal)(

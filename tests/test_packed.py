@@ -180,6 +180,7 @@ def test_bad_windows_name_the_argument(window, error, match):
     (dict(max_seqlen_q=3), ValueError, "max_seqlen_q=3 must be an int of at least the longest .* 4"),
     (dict(max_seqlen_k=4.0), ValueError, "max_seqlen_k=4.0 must be an int"),
     (dict(cu_seqlens_q=torch.tensor([0, 4, 2])), ValueError, "cu_seqlens_q must start at 0 and never decrease"),
+    (dict(q=torch.zeros(6, 2, 64)), TypeError, "q must be float16 or bfloat16, got torch.float32"),
     ({}, (RuntimeError, ValueError), "CUDA"),   # well formed: the CPU tensors (or no GPU) refused
     (dict(max_seqlen_q=torch.tensor(4).numpy()[()], max_seqlen_k=4), (RuntimeError, ValueError), "CUDA"),
 ])

@@ -18,6 +18,7 @@ import torch
 
 import kernelgen
 from kernelgen.bench_mods import build_case
+from host_probe import host_us   # tools/wip, this script's directory
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--cases", nargs="+",
@@ -86,26 +87,10 @@ for fn in fns.values():   # compile, plan and remember outside the timing
 torch.cuda.synchronize()
 
 for case, fn in fns.items():   # plain host time first, then with the timers
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(args.calls):
-        fn()
-    bare = (time.perf_counter() - start) / args.calls * 1e6
-    torch.cuda.synchronize()
-    print(f"{case}: host {bare:.1f} us a call (no timers)")
+    print(f"{case}: host {host_us(fn, args.calls):.1f} us a call (no timers)")
 instrument()
 for case, fn in fns.items():
-    fn()
-    torch.cuda.synchronize()
-    TOTAL.clear()
-    COUNT.clear()
-    start = time.perf_counter()
-    for _ in range(args.calls):
-        fn()
-    whole = (time.perf_counter() - start) / args.calls * 1e6
-    torch.cuda.synchronize()
+    whole = host_us(fn, args.calls, after_warmup=lambda: (TOTAL.clear(), COUNT.clear()))
     print(f"\n== {case}: {whole:.1f} us a call with timers; inclusive us / calls a call")
     for name, secs in sorted(TOTAL.items(), key=lambda x: -x[1])[:args.top]:
         print(f"  {secs / args.calls * 1e6:8.1f}  {COUNT[name] / args.calls:5.1f}  {name}")

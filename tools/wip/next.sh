@@ -362,7 +362,7 @@ case $1 in
        nvidia-smi --query-gpu=name --format=csv,noheader
        hp() { for tree in .ab/old .; do (cd $tree && PYTHONPATH=. timeout ${T_HOST:-50} python3 \
          "$R/tools/wip/host_probe.py" "$@" --mods varlen_window varlen packed 2>&1 \
-         | grep -v -i "warn" | head -5 | sed "s|^|$tree$1 |"); done; }
+         | grep -v -i "warn" | head -5 | sed "s|^|$tree $* |"); done; }
        for tree in .ab/old .; do (cd $tree && PYTHONPATH=. timeout 40 python3 "$R/tools/wip/prep_probe.py" \
          2>&1 | tail -5 | sed "s|^|$tree |"); done | tee "$OUT/prep_ab.txt"
        hp --causal | tee "$OUT/host_ab.txt"
