@@ -207,8 +207,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
         if x.shape[0] != total:
             raise ValueError(f"flash_attn_varlen_func: {name} holds {x.shape[0]} tokens but "
                              f"cu_seqlens_{name}[-1] is {total}")
-        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, Integral)
-                                  or bound < longest):
+        if bound is not None and not (type(bound) is int and bound >= longest) and (
+                isinstance(bound, bool) or not isinstance(bound, Integral) or bound < longest):
             raise ValueError(f"flash_attn_varlen_func: max_seqlen_{name}={bound!r} must be an int "
                              f"of at least the longest sequence's {longest} tokens")
     if v.shape[0] != k.shape[0]:

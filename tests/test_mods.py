@@ -345,3 +345,50 @@ def test_tensor_arguments_are_checked_against_ctype_and_shape():
     with pytest.raises(ValueError, match=r"doc_k must have shape \(batch, seqlen_k\) = \(2, 20\), "
                                          r"got \(2, 30\)"):
         kernel._mod_values({"doc_q": ids_q, "doc_k": ids_q}, cpu, sizes)
+
+
+def test_a_checked_call_layout_skips_the_checks_and_nothing_else(monkeypatch):
+    """AttentionKernel._checked (PERF_NOTES §121): a call whose layout and mod arguments match
+    one that passed skips the checks; any change the checks read runs them again and fails."""
+    import torch
+
+    import kernelgen
+    from kernelgen import attention, ops
+
+    runs = []
+    # No GPU here: the device checks pass as on one, the structure checks stay.
+    monkeypatch.setattr(ops, "_check_inputs",
+                        lambda q, k, v: (runs.append(1), ops._check_structure(q, k, v)))
+    monkeypatch.setattr(attention.AttentionKernel, "forward",
+                        lambda self, q, k, v, scale, values, block_mask=None: (q, values))
+    kernel = kernelgen.load("flash_attn_packed", head_dim=64, dtype="bf16")
+    q = torch.randn(2, 30, 4, 64, dtype=torch.bfloat16)
+    kv = torch.randn(2, 20, 2, 64, dtype=torch.bfloat16)
+    start, end = torch.zeros(2, 30, dtype=torch.int32), torch.full((2, 30), 20, dtype=torch.int32)
+    for _ in range(3):
+        values = kernel(q, kv, kv, return_lse=True, doc_start=start, doc_end=end)[1]
+        assert values[0] is start and values[1] is end
+    assert len(runs) == 1
+    other = torch.zeros(2, 30, dtype=torch.int32)   # another tensor of the same layout
+    assert kernel(q, kv, kv, return_lse=True, doc_start=other, doc_end=end)[1][0] is other
+    assert len(runs) == 1
+    with pytest.raises(TypeError, match="doc_start must be torch.int32"):
+        kernel(q, kv, kv, doc_start=start.long(), doc_end=end)
+    with pytest.raises(ValueError, match=r"doc_end must have shape \(batch, seqlen_q\)"):
+        kernel(q, kv, kv, doc_start=start, doc_end=end[:, :20].contiguous())
+    with pytest.raises(ValueError, match="doc_end must be contiguous"):
+        kernel(q, kv, kv, doc_start=start, doc_end=torch.zeros(30, 2, dtype=torch.int32).t())
+    with pytest.raises(TypeError, match="missing mod arguments"):
+        kernel(q, kv, kv, doc_start=start)
+    with pytest.raises(TypeError, match="built for dtype=bf16"):
+        kernel(q.half(), kv.half(), kv.half(), doc_start=start, doc_end=end)
+    with pytest.raises(ValueError, match="built for head_dim=64"):
+        wide, wide_kv = (torch.randn(*x.shape[:3], 128, dtype=torch.bfloat16) for x in (q, kv))
+        kernel(wide, wide_kv, wide_kv, doc_start=start, doc_end=end)
+    assert len(runs) == 7
+    # A number's type is in the key: 3 passed, 3.0 is still refused for an int argument.
+    window = kernelgen.load("flash_attn_window", head_dim=64, dtype="bf16")
+    kv = torch.randn(2, 30, 2, 64, dtype=torch.bfloat16)
+    assert window(q, kv, kv, return_lse=True, window_left=3, window_right=0)[1] == (3, 0)
+    with pytest.raises(TypeError, match="window_left must be an int"):
+        window(q, kv, kv, window_left=3.0, window_right=0)
