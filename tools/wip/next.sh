@@ -377,7 +377,7 @@ case $1 in
          tail -16 "$OUT/mods_$pass.txt"; done ;;
   s47g) # <= 5.5 min: the forward grid against cuDNN (issue 5 is judged on it)
        nvidia-smi --query-gpu=name --format=csv,noheader
-       PYTHONPATH=. timeout ${T_GRID:-330} python3 -m kernelgen.cli bench --pass fwd --head-dims 128 64 256 \
+       PYTHONPATH=. timeout ${T_GRID:-330} python3 -m kernelgen.cli bench --pass fwd --head-dims ${HDS:-128 64 256} \
          --systems kernelgen sdpa_cudnn --out "$OUT/grid" > "$OUT/grid.txt" 2>&1; tail -40 "$OUT/grid.txt" ;;
   *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40h|s40g|s40p|s40f|s40v|s40z|s40s|s41v|s41a|s43a|s43b|s44|s45|s45w|s45s|s46|s47a|s47g"; exit 2 ;;
 esac
