@@ -353,7 +353,7 @@ case $1 in
        bash "$0" s41v ;;
   s45s) # <= 6 min, s45 cut down for a short budget: no memcheck, shorter limits
        KT_T=60 T_TESTS=110 T_HOST=70 S45_MEMCHECK=0 bash "$0" s45 ;;
-  s46) # <= 9.8 min (PERF_NOTES §119, §120): .ab/old (git archive b9d5cf6, the tree before)
+  s46) # <= 9.8 min (SHORT=1: <= 8 min, without the full A/B) (PERF_NOTES §119, §120): .ab/old (git archive b9d5cf6, the tree before)
        # against this one: prep_probe.py (the prep's CTA order), host_probe.py causal (the host
        # path cut), then the whole GPU suite (both changed every backward), then host_probe.py
        # full and host_prof.py (where the host time still goes)
@@ -367,7 +367,7 @@ case $1 in
          2>&1 | tail -5 | sed "s|^|$tree |"); done | tee "$OUT/prep_ab.txt"
        hp --causal | tee "$OUT/host_ab.txt"
        STEPS=all T_all=${T_all:-200} bash tools/h200_run.sh 2>&1 | tail -3
-       hp --calls 30 | tee -a "$OUT/host_ab.txt"
+       [ -n "$SHORT" ] || hp --calls 30 | tee -a "$OUT/host_ab.txt"
        PYTHONPATH=. timeout ${T_PROF:-60} python3 tools/wip/host_prof.py --causal > "$OUT/prof.txt" 2>&1
        head -4 "$OUT/prof.txt" ;;
   s47a) # <= 7.5 min: the modifier benches both ways at 4k (issue 6 is judged on them)
