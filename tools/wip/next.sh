@@ -380,6 +380,12 @@ case $1 in
        for tree in .ab/old .; do (cd $tree && PYTHONPATH=. timeout 40 python3 "$R/tools/wip/host_probe.py" \
          --causal --mods varlen_window varlen packed 2>&1 | grep -v -i "warn" | head -5 | sed "s|^|$tree |"); done \
          | tee "$OUT/host_ab.txt" ;;
+  s47p) # <= 2.2 min: s47's prep A/B (D checked against float32), then the backward GPU tests cut at T_BWD
+       [ -d .ab/old/kernelgen ] || { echo "carry .ab/old"; exit 2; }
+       for tree in .ab/old .; do (cd $tree && PYTHONPATH=. timeout 40 python3 "$R/tools/wip/prep_probe.py" \
+         2>&1 | tail -6 | sed "s|^|$tree |"); done | tee "$OUT/prep_ab.txt"
+       timeout ${T_BWD:-60} python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 $BWD_GPU_TESTS 2>&1 \
+         | tee "$OUT/bwd.log" | grep -E "FAILED|ERROR|passed|failed" | tail -8 ;;
   s47a) # <= 7.5 min: the modifier benches both ways at 4k (issue 6 is judged on them)
        nvidia-smi --query-gpu=name --format=csv,noheader
        for pass in fwd bwd; do PYTHONPATH=. timeout ${T_MODS:-210} python3 -m kernelgen.cli bench --mods \
@@ -389,5 +395,5 @@ case $1 in
        nvidia-smi --query-gpu=name --format=csv,noheader
        PYTHONPATH=. timeout ${T_GRID:-330} python3 -m kernelgen.cli bench --pass fwd --head-dims ${HDS:-128 64 256} \
          --systems kernelgen sdpa_cudnn --out "$OUT/grid" > "$OUT/grid.txt" 2>&1; tail -40 "$OUT/grid.txt" ;;
-  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40h|s40g|s40p|s40f|s40v|s40z|s40s|s41v|s41a|s43a|s43b|s44|s45|s45w|s45s|s46|s47|s47a|s47g"; exit 2 ;;
+  *) echo "usage: $0 suite|grid|retune|stalls|carry|carryab|pvab|pvmods|pvrest|hd64c|wgskip|wgcheck|q3|q3check|stalls256|confirm|bwdab|bwdgpu|bwdstalls|dqtma|s33check|s33ab|s33bench|s33stalls|s34|s34check|s34min|s34last|s34causal|s35ab|screen|persab|short|order|forder|varlen|s40h|s40g|s40p|s40f|s40v|s40z|s40s|s41v|s41a|s43a|s43b|s44|s45|s45w|s45s|s46|s47|s47p|s47a|s47g"; exit 2 ;;
 esac

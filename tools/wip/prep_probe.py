@@ -38,6 +38,9 @@ dsum.fill_(float("nan"))
 run_prep(False)
 torch.cuda.synchronize()
 assert torch.equal(dsum, reference)
+# D against float32: rowsum(dO * O) per (head, token).
+expected = (o.float() * dout.float()).sum(-1).permute(0, 2, 1)
+assert torch.allclose(reference, expected, rtol=1e-4, atol=1e-3), (reference - expected).abs().max()
 
 read, accum_bytes = 4 * o.numel(), 4 * accum.numel()   # O and dO; the fp32 accumulator
 rows = {   # name: (call, bytes it moves)
