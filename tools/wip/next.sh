@@ -56,6 +56,13 @@ cd "$R" || exit 1
 kt() { (cd "$1" && PYTHONPATH=. timeout ${KT_T:-100} python3 "$R/tools/wip/bwd_kernels.py" "${@:3}" 2>&1 \
          | grep -E "^---|bwd_sm90" | sed "s|^|$2 |"); }
 BWD_GPU_TESTS="tests/test_bwd_sm90_gpu.py tests/test_mods_bwd_gpu.py"
+# prep_probe.py (the backward prep's time, D checked against float32) in .ab/old, then here.
+prep_ab() { for tree in .ab/old .; do (cd $tree && PYTHONPATH=. timeout 40 python3 "$R/tools/wip/prep_probe.py" \
+  2>&1 | tail -6 | sed "s|^|$tree |"); done | tee "$OUT/prep_ab.txt"; }
+# host_probe.py (host, event and kernel times a call) in .ab/old, then here; $@: its options.
+hp() { for tree in .ab/old .; do (cd $tree && PYTHONPATH=. timeout ${T_HOST:-50} python3 \
+  "$R/tools/wip/host_probe.py" "$@" --mods varlen_window varlen packed 2>&1 \
+  | grep -v -i "warn" | head -5 | sed "s|^|$tree $* |"); done; }
 case $1 in
   suite) STEPS=all T_all=570 bash tools/h200_run.sh 2>&1 | tail -12 ;;
   confirm) LEADS=confirm LEAD_T=280 bash tools/wip/leads.sh 2>&1 | tee "$OUT/confirm.txt" | tail -30 ;;
@@ -353,37 +360,25 @@ case $1 in
        bash "$0" s41v ;;
   s45s) # <= 6 min, s45 cut down for a short budget: no memcheck, shorter limits
        KT_T=60 T_TESTS=110 T_HOST=70 S45_MEMCHECK=0 bash "$0" s45 ;;
-  s46) # <= 9.8 min (SHORT=1: <= 8 min, without the full A/B) (PERF_NOTES §119, §120): .ab/old (git archive b9d5cf6, the tree before)
+  s46) # <= 9.8 min (PERF_NOTES §119-§121): .ab/old (git archive b9d5cf6, the tree before)
        # against this one: prep_probe.py (the prep's CTA order), host_probe.py causal (the host
-       # path cut), then the whole GPU suite (both changed every backward), then host_probe.py
-       # full and host_prof.py (where the host time still goes)
+       # path cuts), the whole GPU suite (every backward changed), then host_probe.py full and
+       # host_prof.py (where the host time still goes); SHORT=1 stops after the suite
        [ -d .ab/old/kernelgen ] || { echo "carry .ab/old"; exit 2; }
        export KERNELGEN_CACHE_DIR=/tmp/kgcache
        nvidia-smi --query-gpu=name --format=csv,noheader
-       hp() { for tree in .ab/old .; do (cd $tree && PYTHONPATH=. timeout ${T_HOST:-50} python3 \
-         "$R/tools/wip/host_probe.py" "$@" --mods varlen_window varlen packed 2>&1 \
-         | grep -v -i "warn" | head -5 | sed "s|^|$tree $* |"); done; }
-       for tree in .ab/old .; do (cd $tree && PYTHONPATH=. timeout 40 python3 "$R/tools/wip/prep_probe.py" \
-         2>&1 | tail -5 | sed "s|^|$tree |"); done | tee "$OUT/prep_ab.txt"
+       prep_ab
        hp --causal | tee "$OUT/host_ab.txt"
        STEPS=all T_all=${T_all:-200} bash tools/h200_run.sh 2>&1 | tail -3
-       [ -n "$SHORT" ] || hp --calls 30 | tee -a "$OUT/host_ab.txt"
+       [ -n "$SHORT" ] && exit 0
+       hp --calls 30 | tee -a "$OUT/host_ab.txt"
        PYTHONPATH=. timeout ${T_PROF:-60} python3 tools/wip/host_prof.py --causal > "$OUT/prof.txt" 2>&1
        head -4 "$OUT/prof.txt" ;;
-  s47) # <= 5.5 min, s46's essentials when device time is short: prep A/B, the suite, host A/B causal
-       [ -d .ab/old/kernelgen ] || { echo "carry .ab/old"; exit 2; }
-       export KERNELGEN_CACHE_DIR=/tmp/kgcache
-       nvidia-smi --query-gpu=name --format=csv,noheader
-       for tree in .ab/old .; do (cd $tree && PYTHONPATH=. timeout 40 python3 "$R/tools/wip/prep_probe.py" \
-         2>&1 | tail -5 | sed "s|^|$tree |"); done | tee "$OUT/prep_ab.txt"
-       STEPS=all T_all=${T_all:-170} bash tools/h200_run.sh 2>&1 | tail -3
-       for tree in .ab/old .; do (cd $tree && PYTHONPATH=. timeout 40 python3 "$R/tools/wip/host_probe.py" \
-         --causal --mods varlen_window varlen packed 2>&1 | grep -v -i "warn" | head -5 | sed "s|^|$tree |"); done \
-         | tee "$OUT/host_ab.txt" ;;
+  s47) # <= 5.5 min, s46's essentials when device time is short: prep A/B, host A/B causal, the suite
+       SHORT=1 T_all=${T_all:-170} T_HOST=40 bash "$0" s46 ;;
   s47p) # <= 2.2 min: s47's prep A/B (D checked against float32), then the backward GPU tests cut at T_BWD
        [ -d .ab/old/kernelgen ] || { echo "carry .ab/old"; exit 2; }
-       for tree in .ab/old .; do (cd $tree && PYTHONPATH=. timeout 40 python3 "$R/tools/wip/prep_probe.py" \
-         2>&1 | tail -6 | sed "s|^|$tree |"); done | tee "$OUT/prep_ab.txt"
+       prep_ab
        timeout ${T_BWD:-60} python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 $BWD_GPU_TESTS 2>&1 \
          | tee "$OUT/bwd.log" | grep -E "FAILED|ERROR|passed|failed" | tail -8 ;;
   s47a) # <= 7.5 min: the modifier benches both ways at 4k (issue 6 is judged on them)
